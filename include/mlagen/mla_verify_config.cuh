@@ -1,0 +1,87 @@
+// mlagen/mla_verify_config.cuh — compile-time configuration of one MLA verify-attention variant.
+// Every constant a kernel uses is derived here; static_asserts reject infeasible variants
+// (mlagen/feasibility.py applies the same rules in Python before rendering).
+#pragma once
+#include <cstdint>
+
+namespace mlagen {
+
+enum class MaskKind : int { kNone = 0, kCausal = 1, kTree = 2 };
+
+// sm_120 (RTX PRO 6000 Blackwell) opt-in maximum dynamic shared memory per block.
+inline constexpr int kSmemLimitSm120 = 101376;
+
+template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_, int kWarps_,
+          int kRowTiles_, int kStages_, MaskKind kMask_>
+struct MlaVerifyConfig {
+  // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
+  static constexpr int kHeads = kHeads_;          // H: query heads per rank
+  static constexpr int kQLenMax = kQLenMax_;      // max draft tokens per request
+  static constexpr int kKvLoraRank = kKvLoraRank_; // latent dims (512): K and V share them
+  static constexpr int kRopeDim = kRopeDim_;       // qk_rope_head_dim (64)
+  static constexpr int kDimQK = kKvLoraRank + kRopeDim;  // 576 for DeepSeek-V3 / Kimi-K2
+  static constexpr int kDimV = kKvLoraRank;              // 512
+  static constexpr int kPageSize = kPageSize_;
+  static constexpr MaskKind kMask = kMask_;
+
+  // Tiling. Rows = (query token, head) pairs folded into the MMA M dimension.
+  static constexpr int kBlockN = kBlockN_;        // KV tokens per pipeline stage
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowTiles = kRowTiles_;    // m16 row tiles per CTA
+  static constexpr int kRowsPerCta = kRowTiles * 16;
+  static constexpr int kRowsMax = kHeads * kQLenMax;
+  static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
+  static constexpr int kStages = kStages_;
+
+  // S = Q K^T: each warp owns a slice of the kDimQK / 16 k-steps (Q slice held in registers).
+  static constexpr int kKSteps = kDimQK / 16;
+  static constexpr int kKStepsPerWarp = (kKSteps + kWarps - 1) / kWarps;
+  static constexpr int kNTilesS = kBlockN / 8;
+  // O = P V: each warp owns kDimVPerWarp output dims for all rows.
+  static constexpr int kDimVPerWarp = kDimV / kWarps;
+  static constexpr int kNTilesO = kDimVPerWarp / 8;
+
+  // Global loads: kLoadBytes per cp.async.
+  static constexpr int kLoadBytes = kLoadBits_ / 8;
+  static constexpr int kLoadElems = kLoadBytes / 2;
+  static constexpr int kChunksPerRow = kDimQK / kLoadElems;
+
+  // Softmax: 8 threads per row.
+  static constexpr int kSoftmaxLanes = 8;
+  static constexpr int kColsPerLane = kBlockN / kSoftmaxLanes;
+  static constexpr int kRowsPerPass = kThreads / kSoftmaxLanes;
+
+  // Shared memory (bytes). Rows padded by 16 B (576 dims: 1168 B = 73 x 16 B); an odd number of
+  // 16 B units per row makes the 8 row addresses of an ldmatrix hit distinct bank groups.
+  static constexpr int kKvRowElems = kDimQK + 8;
+  static constexpr int kPRowElems = kBlockN + 8;
+  static constexpr int kSmemKv = kStages * kBlockN * kKvRowElems * 2;
+  static constexpr int kSmemS = kWarps * kRowsPerCta * kBlockN * 4;
+  static constexpr int kSmemP = kRowsPerCta * kPRowElems * 2;
+  static constexpr int kSmemStats = 3 * kRowsPerCta * 4;
+  static constexpr int kSmemBytes = kSmemKv + kSmemS + kSmemP + kSmemStats;
+
+  // Registers held per thread across the main loop (estimate, fp32/bf16x2 words).
+  static constexpr int kRegsQ = kRowTiles * kKStepsPerWarp * 4;
+  static constexpr int kRegsS = kRowTiles * kNTilesS * 4;
+  static constexpr int kRegsO = kRowTiles * kNTilesO * 4;
+
+  static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
+  static_assert(kQLenMax >= 1 && kQLenMax <= 64, "q_len must be in [1, 64] (tree mask is a 64-bit row)");
+  static_assert(kPageSize >= 1 && (kPageSize & (kPageSize - 1)) == 0, "page_size must be a power of two");
+  static_assert(kLoadBytes == 4 || kLoadBytes == 8 || kLoadBytes == 16, "load_width must be 32, 64 or 128 bits");
+  static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
+  static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
+  static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16, "block_n must be a multiple of 16");
+  static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "num_warps must be 4, 8 or 16");
+  static_assert(kDimVPerWarp % 16 == 0, "kv_lora_rank / num_warps must be a multiple of 16");
+  static_assert(kColsPerLane >= 1 && kBlockN % kSoftmaxLanes == 0, "block_n must divide by 8");
+  static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(kRowTiles >= 1 && kRowTiles <= 8, "row_tiles must be in [1, 8]");
+  static_assert(kSmemBytes <= kSmemLimitSm120, "shared memory exceeds sm_120's 101,376 B per block");
+  static_assert(kRegsQ + kRegsS + kRegsO <= 200, "register tiles would spill");
+};
+
+}  // namespace mlagen

@@ -1,0 +1,41 @@
+// mlagen/mla_verify_params.cuh — runtime arguments of the verify kernels (device pointers,
+// sizes, strides in elements). Filled by the pybind11 module from Python ints; no torch types.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+
+namespace mlagen {
+
+struct MlaVerifyParams {
+  // q: [bs * q_len, H, 576] bf16; row (b, i, h) at q + (b*q_len + i)*q_stride_tok + h*q_stride_head.
+  const __nv_bfloat16* q;
+  int64_t q_stride_tok, q_stride_head;
+  // kv: [num_slots, 576] bf16 latent cache; V = first 512 dims of the same row.
+  const __nv_bfloat16* kv;
+  int64_t kv_stride_slot;
+  // block_table: int32 page ids, request b reads row req_idx[b] (or b when req_idx is null);
+  // slot of token t = block_table[row][t / page_size] * page_size + t % page_size
+  // (page_size 1: SGLang's req_to_token).
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const void* req_idx;  // int32 or int64 [bs], may be null
+  int req_idx_is_int64;
+  const int32_t* kv_lens;  // [bs], includes the q_len draft tokens
+  const int64_t* tree_mask;  // [bs, q_len] bitmask rows (tree mask only)
+  int64_t tree_mask_stride;
+  // workspace (fp32): o_part [bs, num_splits, rows_max, 512], lse_part [bs, num_splits, rows_max]
+  float* o_part;
+  float* lse_part;
+  // out: [bs * q_len, H, 512] bf16; lse: [bs * q_len, H] fp32 (may be null)
+  __nv_bfloat16* out;
+  int64_t out_stride_tok, out_stride_head;
+  float* lse;
+  int64_t lse_stride_tok;
+  int batch_size;
+  int q_len;
+  int num_splits;
+  int min_tiles_per_split;
+  float softmax_scale;
+};
+
+}  // namespace mlagen

@@ -1,0 +1,336 @@
+// mlagen/mla_verify_partial.cuh — split-KV partial kernel of MLA verify attention.
+//
+// CTA (row block rb, split s, request b) computes, for rows r = (query i, head h) in its block,
+// over the KV tiles of split s:
+//   scores  S = (Q K^T) * softmax_scale          Q: [rows, 576], K: [tokens, 576]
+//   masked  S = -inf where the key is past kv_len or hidden by the draft mask
+//   softmax online over tiles: running row max m, row sum l, rescale alpha = 2^(m_old - m_new)
+//   output  O = P V / l                           V = K[:, :512]
+// and writes O (fp32) and LSE = ln(sum exp S) to the workspace; mla_verify_combine.cuh merges splits.
+// Work split inside a CTA: every warp computes partial scores over its slice of the 576 dims
+// for all rows (its Q slice lives in registers), partials are summed in shared memory, and for
+// P V every warp owns 512 / kWarps output dims of all rows. KV tiles stream through a
+// kStages-deep cp.async ring. Token positions past kv_len are zero-filled, never read.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "mlagen/mla_verify_config.cuh"
+#include "mlagen/mla_verify_params.cuh"
+#include "mlagen/ptx.cuh"
+
+namespace mlagen {
+
+// Tiles [tile_begin, tile_end) of request b handled by split `split`. Splits are tile-aligned;
+// a split past the end of the request is empty.
+__device__ __forceinline__ void split_tile_range(int kv_len, int block_n, int num_splits, int min_tiles,
+                                                 int split, int& tile_begin, int& tile_end) {
+  const int num_tiles = (kv_len + block_n - 1) / block_n;
+  int per_split = (num_tiles + num_splits - 1) / num_splits;
+  per_split = per_split < min_tiles ? min_tiles : per_split;
+  tile_begin = split * per_split;
+  tile_end = tile_begin + per_split < num_tiles ? tile_begin + per_split : num_tiles;
+}
+
+template <class Cfg>
+__device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_len, int query_idx,
+                                            int64_t mask_row) {
+  if (key_pos >= kv_len) return false;
+  const int d = key_pos - prefix_len;  // draft index of the key, < 0 for the prefix
+  if (d < 0) return true;
+  if constexpr (Cfg::kMask == MaskKind::kCausal) {
+    return d <= query_idx;
+  } else if constexpr (Cfg::kMask == MaskKind::kTree) {
+    return (mask_row >> d) & 1;
+  } else {
+    return true;
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const MlaVerifyParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
+  float* s_part_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);  // [kWarps][kRowsPerCta][kBlockN]
+  __nv_bfloat16* p_smem =
+      reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemS);  // [kRowsPerCta][kPRowElems]
+  float* m_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemS + Cfg::kSmemP);
+  float* l_smem = m_smem + Cfg::kRowsPerCta;
+  float* alpha_smem = l_smem + Cfg::kRowsPerCta;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;  // mma fragment row group
+  const int t4 = lane % 4;
+
+  const int row_block = blockIdx.x;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int q_len = p.q_len;
+  const int rows = q_len * Cfg::kHeads;
+  const int row0 = row_block * Cfg::kRowsPerCta;
+  if (row0 >= rows) return;
+  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
+
+  const int kv_len = p.kv_lens[b];
+  const int prefix_len = kv_len - q_len;
+  int tile_begin, tile_end;
+  split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
+
+  const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
+  float* lse_part = p.lse_part + ws_row_base;
+  if (tile_begin >= tile_end) {  // empty split: contributes nothing
+    for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
+    return;
+  }
+
+  int64_t table_row = b;
+  if (p.req_idx != nullptr) {
+    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
+                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
+  }
+  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+
+  // ---- KV tile loader: kBlockN tokens x 576 dims, one cp.async of kLoadBytes per chunk.
+  auto load_kv_tile = [&](int tile, int stage) {
+    __nv_bfloat16* dst_stage = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
+    for (int c = tid; c < Cfg::kBlockN * Cfg::kChunksPerRow; c += Cfg::kThreads) {
+      const int n = c / Cfg::kChunksPerRow;
+      const int chunk = c % Cfg::kChunksPerRow;
+      const int pos = tile * Cfg::kBlockN + n;
+      const bool valid = pos < kv_len;
+      const __nv_bfloat16* src = p.kv;
+      if (valid) {
+        const int64_t page = page_row[pos / Cfg::kPageSize];
+        const int64_t slot = page * Cfg::kPageSize + pos % Cfg::kPageSize;
+        src = p.kv + slot * p.kv_stride_slot + chunk * Cfg::kLoadElems;
+      }
+      ptx::cp_async_zfill<Cfg::kLoadBytes>(dst_stage + n * Cfg::kKvRowElems + chunk * Cfg::kLoadElems, src, valid);
+    }
+  };
+
+  // Issue the pipeline prologue first so the Q load below overlaps with it.
+#pragma unroll
+  for (int st = 0; st < Cfg::kStages - 1; ++st) {
+    if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st, st);
+    ptx::cp_async_commit();
+  }
+
+  // ---- Q slice of this warp in registers, as mma A fragments: q_frag[row tile][k step][4].
+  const int ks_begin = warp * Cfg::kKSteps / Cfg::kWarps;
+  const int ks_end = (warp + 1) * Cfg::kKSteps / Cfg::kWarps;
+  uint32_t q_frag[Cfg::kRowTiles][Cfg::kKStepsPerWarp][4];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 16 + g + half * 8;
+      const bool row_ok = r < live_rows;
+      const int row = row0 + r;
+      const int qi = row / Cfg::kHeads, h = row % Cfg::kHeads;
+      const __nv_bfloat16* q_row =
+          p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kKStepsPerWarp; ++kk) {
+        const int k0 = (ks_begin + kk) * 16 + 2 * t4;
+        const bool ok = row_ok && (ks_begin + kk < ks_end);
+        q_frag[mt][kk][half] = ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
+        q_frag[mt][kk][half + 2] = ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
+      }
+    }
+  }
+
+  for (int r = tid; r < Cfg::kRowsPerCta; r += Cfg::kThreads) {
+    m_smem[r] = -INFINITY;
+    l_smem[r] = 0.f;
+  }
+
+  float o_acc[Cfg::kRowTiles][Cfg::kNTilesO][4];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
+
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;  // exp(x) = 2^(x log2 e)
+  const int dim_v0 = warp * Cfg::kDimVPerWarp;
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int stage = (tile - tile_begin) % Cfg::kStages;
+    ptx::cp_async_wait<Cfg::kStages - 2>();
+    __syncthreads();
+    {  // refill the stage consumed in the previous iteration
+      const int next = tile + Cfg::kStages - 1;
+      if (next < tile_end) load_kv_tile(next, (next - tile_begin) % Cfg::kStages);
+      ptx::cp_async_commit();
+    }
+    const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
+
+    // ---- partial scores over this warp's k slice: s_frag[row tile][n8 tile][4]
+    float s_frag[Cfg::kRowTiles][Cfg::kNTilesS][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_frag[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKStepsPerWarp; ++kk) {
+      if (ks_begin + kk < ks_end) {
+        const int k0 = (ks_begin + kk) * 16;
+#pragma unroll
+        for (int nb = 0; nb < Cfg::kNTilesS / 2; ++nb) {
+          // matrices: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi)
+          const int m = lane / 8;
+          const int n = nb * 16 + (m / 2) * 8 + lane % 8;
+          uint32_t kb[4];
+          ptx::ldmatrix_x4(kb, k_smem + n * Cfg::kKvRowElems + k0 + (m % 2) * 8);
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+            ptx::mma_bf16_16816(s_frag[mt][2 * nb], q_frag[mt][kk], kb[0], kb[1]);
+            ptx::mma_bf16_16816(s_frag[mt][2 * nb + 1], q_frag[mt][kk], kb[2], kb[3]);
+          }
+        }
+      }
+    }
+    float* s_mine = s_part_smem + warp * (Cfg::kRowsPerCta * Cfg::kBlockN);
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        const int c = nt * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g) * Cfg::kBlockN + c) =
+            make_float2(s_frag[mt][nt][0], s_frag[mt][nt][1]);
+        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kBlockN + c) =
+            make_float2(s_frag[mt][nt][2], s_frag[mt][nt][3]);
+      }
+    __syncthreads();
+
+    // ---- online softmax: 8 lanes per row, kColsPerLane columns each.
+    for (int r0 = 0; r0 < Cfg::kRowsPerCta; r0 += Cfg::kRowsPerPass) {
+      const int r = r0 + tid / Cfg::kSoftmaxLanes;
+      const int c0 = (tid % Cfg::kSoftmaxLanes) * Cfg::kColsPerLane;
+      const bool row_in_cta = r < Cfg::kRowsPerCta;  // warp-uniform groups of 8 lanes
+      const bool row_live = r < live_rows;
+      const int qi = (row0 + r) / Cfg::kHeads;
+      int64_t mask_row = 0;
+      if constexpr (Cfg::kMask == MaskKind::kTree) {
+        if (row_live) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+      }
+      float s[Cfg::kColsPerLane];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < Cfg::kColsPerLane; ++j) {
+        const int c = c0 + j;
+        float acc = 0.f;
+        if (row_live) {
+#pragma unroll
+          for (int w = 0; w < Cfg::kWarps; ++w) acc += s_part_smem[(w * Cfg::kRowsPerCta + r) * Cfg::kBlockN + c];
+        }
+        const bool vis = row_live && key_visible<Cfg>(tile * Cfg::kBlockN + c, kv_len, prefix_len, qi, mask_row);
+        s[j] = vis ? acc * scale_log2 : -INFINITY;
+        tile_max = fmaxf(tile_max, s[j]);
+      }
+#pragma unroll
+      for (int off = 1; off < Cfg::kSoftmaxLanes; off *= 2)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      const float m_old = row_in_cta ? m_smem[r] : -INFINITY;
+      const float m_new = fmaxf(m_old, tile_max);
+      const bool any = m_new != -INFINITY;
+      const float alpha = any ? exp2f(m_old - m_new) : 1.f;
+      float row_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < Cfg::kColsPerLane; ++j) {
+        const float pj = any ? exp2f(s[j] - m_new) : 0.f;
+        s[j] = pj;
+        row_sum += pj;
+      }
+#pragma unroll
+      for (int off = 1; off < Cfg::kSoftmaxLanes; off *= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
+      if (row_in_cta) {
+#pragma unroll
+        for (int j = 0; j < Cfg::kColsPerLane; j += 2) {
+          const float hi = j + 1 < Cfg::kColsPerLane ? s[j + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(p_smem + r * Cfg::kPRowElems + c0 + j) = ptx::pack_bf16x2(s[j], hi);
+        }
+        if (tid % Cfg::kSoftmaxLanes == 0) {
+          m_smem[r] = m_new;
+          l_smem[r] = l_smem[r] * alpha + row_sum;
+          alpha_smem[r] = alpha;
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- rescale O, then O += P V over this warp's output dims.
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+      const float a_lo = alpha_smem[mt * 16 + g];
+      const float a_hi = alpha_smem[mt * 16 + g + 8];
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
+        o_acc[mt][nt][0] *= a_lo;
+        o_acc[mt][nt][1] *= a_lo;
+        o_acc[mt][nt][2] *= a_hi;
+        o_acc[mt][nt][3] *= a_hi;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kBlockN / 16; ++ks) {
+      uint32_t p_frag[Cfg::kRowTiles][4];
+      {
+        const int m = lane / 8;
+        const int r = (m % 2) * 8 + lane % 8;
+        const int c = ks * 16 + (m / 2) * 8;
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
+          ptx::ldmatrix_x4(p_frag[mt], p_smem + (mt * 16 + r) * Cfg::kPRowElems + c);
+      }
+#pragma unroll
+      for (int nb = 0; nb < Cfg::kNTilesO / 2; ++nb) {
+        // matrices: (tokens lo, dims 0-7), (tokens hi, dims 0-7), (tokens lo, dims 8-15), (tokens hi, dims 8-15)
+        const int m = lane / 8;
+        const int token = ks * 16 + (m % 2) * 8 + lane % 8;
+        const int dim = dim_v0 + nb * 16 + (m / 2) * 8;
+        uint32_t vb[4];
+        ptx::ldmatrix_x4_trans(vb, k_smem + token * Cfg::kKvRowElems + dim);
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+          ptx::mma_bf16_16816(o_acc[mt][2 * nb], p_frag[mt], vb[0], vb[1]);
+          ptx::mma_bf16_16816(o_acc[mt][2 * nb + 1], p_frag[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- epilogue: normalized partial O and its LSE (natural log) for the combine step.
+  float* o_part = p.o_part + ws_row_base * Cfg::kDimV;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 16 + g + half * 8;
+      if (r < live_rows) {
+        const float l = l_smem[r];
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        float* o_row = o_part + static_cast<int64_t>(r) * Cfg::kDimV + dim_v0;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
+          *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
+              make_float2(o_acc[mt][nt][2 * half] * inv_l, o_acc[mt][nt][2 * half + 1] * inv_l);
+        }
+      }
+    }
+  }
+  for (int r = tid; r < live_rows; r += Cfg::kThreads) {
+    const float l = l_smem[r];
+    lse_part[r] = l > 0.f ? (m_smem[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+}  // namespace mlagen

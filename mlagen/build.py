@@ -1,0 +1,237 @@
+"""build_and_load: render, write, ninja-build, check resources, install the .so atomically and
+register it. A file lock per variant makes concurrent processes build a variant once; the
+registry is checked again after the lock is taken (FlashInfer ``jit/core.py`` pattern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+from mlagen import codegen, feasibility, ninja_gen, paths, ptxas
+from mlagen.registry import Registry
+from mlagen.spec import Spec, Variant, filter_by_glob, load_spec, parse_spec
+from mlagen.tables import SMEM_LIMIT
+
+
+class BuildError(RuntimeError):
+    """One or more variants failed to compile or failed the resource / instruction checks."""
+
+
+@dataclasses.dataclass
+class BuiltVariant:
+    """A variant whose .so is built, checked and registered."""
+
+    variant: Variant
+    so_path: Path
+    source_hash: str
+    build_seconds: float
+    resources: dict  # per arch: registers, smem (static + dynamic), stack, spills
+    cached: bool
+
+    @property
+    def uri(self) -> str:
+        return self.variant.uri
+
+
+@dataclasses.dataclass
+class BuildReport:
+    built: list[BuiltVariant]
+    failed: list[tuple[Variant, str]]
+    infeasible: list[tuple[Variant, str]]
+    seconds: float
+
+
+@dataclasses.dataclass
+class _Job:
+    """One compiled module (build key) and the variants it serves (they differ only in nsplit)."""
+
+    variants: list[Variant]
+    source: str
+    source_hash: str
+    outputs: dict
+
+    @property
+    def key(self) -> str:
+        return self.variants[0].build_key
+
+
+def generate(variants: list[Variant]) -> list[_Job]:
+    """Render sources and build.ninja files (written only when changed); one job per build key."""
+    nvcc_ver = ninja_gen.nvcc_version()
+    by_key: dict[str, _Job] = {}
+    for v in variants:
+        if v.build_key in by_key:
+            by_key[v.build_key].variants.append(v)
+            continue
+        src = codegen.render_variant(v)
+        h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), nvcc_ver)
+        o = ninja_gen.variant_outputs(v)
+        codegen.write_if_changed(o["source"], src)
+        codegen.write_if_changed(o["ninja"], ninja_gen.variant_ninja(v))
+        by_key[v.build_key] = _Job([v], src, h, o)
+    return list(by_key.values())
+
+
+def check_build(v: Variant, outputs: dict) -> tuple[dict, str | None]:
+    """Resources per arch from the ptxas log plus the PTX instruction scan.
+
+    Returns (resources, failure reason or None). Fails on spills, smem over the arch limit, or
+    wgmma / tcgen05 / setmaxnreg in the PTX.
+    """
+    log = Path(outputs["log"]).read_text() if Path(outputs["log"]).exists() else ""
+    summary = ptxas.summarize(ptxas.parse_ptxas(log))
+    dyn = feasibility.resources(v).smem_bytes
+    res = {}
+    for arch in v.archs:
+        s = summary.get(arch)
+        if s is None:
+            return {}, f"no ptxas report for {arch} in {outputs['log']}"
+        s = dict(s, smem_dynamic=dyn, smem=s["smem_static"] + dyn)
+        res[arch] = s
+        if s["spill_stores"] or s["spill_loads"] or s["stack"]:
+            return res, f"{arch}: {s['spill_stores']} B spill stores, {s['spill_loads']} B spill loads, {s['stack']} B stack"
+        if s["smem"] > SMEM_LIMIT[arch]:
+            return res, f"{arch}: {s['smem']} B shared memory > {SMEM_LIMIT[arch]} B"
+    ptx_files = sorted(Path(outputs["keep"]).glob("*.ptx"))
+    if len(ptx_files) < len(v.archs):
+        return res, f"expected PTX for {len(v.archs)} archs in {outputs['keep']}, found {len(ptx_files)}"
+    for name, bad in ptxas.scan_ptx_files(ptx_files).items():
+        if bad:
+            return res, f"{name} contains forbidden instructions: {', '.join(bad)}"
+    res["ptx_files"] = [p.name for p in ptx_files]
+    return res, None
+
+
+def _installed_so(key: str, source_hash: str) -> Path:
+    return paths.so_dir() / f"{key}.{source_hash[:16]}{ninja_gen.ext_suffix()}"
+
+
+def _registered(reg: Registry, job: _Job) -> list[BuiltVariant] | None:
+    """The job's variants from the registry when all are registered with this source hash."""
+    out = []
+    for v in job.variants:
+        row = reg.get_variant(v.uri)
+        if not (row and row["source_hash"] == job.source_hash and Path(row["so_path"]).exists()):
+            return None
+        out.append(BuiltVariant(v, Path(row["so_path"]), job.source_hash, row["build_seconds"] or 0.0,
+                                row["resources"], cached=True))
+    return out
+
+
+def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
+          on_progress: Callable[[int, int, str], None] | None = None, registry: Registry | None = None) -> BuildReport:
+    """Generate and compile every feasible variant of ``spec`` matching ``kernels`` (uri glob).
+
+    Variants differing only in nsplit share one compiled module. Already-registered variants
+    with the same source hash are reused. Failed variants leave nothing registered and carry the
+    compiler's output in the report.
+    """
+    t0 = time.perf_counter()
+    reg = registry or Registry()
+    selected = filter_by_glob(spec.variants(), kernels)
+    feasible, infeasible = feasibility.split_feasible(selected)
+    all_jobs = generate(feasible)
+    built: list[BuiltVariant] = []
+    failed: list[tuple[Variant, str]] = []
+    todo = []
+    for j in all_jobs:
+        hit = _registered(reg, j)
+        if hit:
+            built += hit
+        else:
+            todo.append(j)
+    if todo:
+        paths.lock_dir().mkdir(parents=True, exist_ok=True)
+        with ExitStack() as stack:
+            for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
+                stack.enter_context(FileLock(str(paths.lock_dir() / f"{j.key}.lock")))
+            still = []
+            for j in todo:  # second check: another process may have built it meanwhile
+                hit = _registered(reg, j)
+                if hit:
+                    built += hit
+                else:
+                    still.append(j)
+            if still:
+                b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), on_progress, reg)
+                built += b2
+                failed += f2
+    order = {v.uri: i for i, v in enumerate(feasible)}
+    built.sort(key=lambda b: order[b.uri])
+    return BuildReport(built, failed, infeasible, time.perf_counter() - t0)
+
+
+def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, on_progress, reg: Registry):
+    top = paths.generated_dir() / f"build_{spec.name}.ninja"
+    codegen.write_if_changed(top, ninja_gen.top_ninja([j.variants[0] for j in jobs_]))
+    targets = [str(j.outputs["so"]) for j in jobs_]
+    total = len(targets)
+    done = [0]
+
+    def on_line(line: str):
+        if line.startswith("[") and "nvcc " in line:
+            done[0] += 1
+            if on_progress:
+                on_progress(done[0], total, line.split("nvcc ", 1)[1].strip())
+
+    t0 = time.perf_counter()
+    rc, output = ninja_gen.run_ninja(top, targets, n_jobs, on_line)
+    wall = time.perf_counter() - t0
+    secs = wall * min(n_jobs, len(jobs_)) / len(jobs_)  # per-module share of the parallel build
+    built, failed = [], []
+    for j in jobs_:
+        so = Path(j.outputs["so"])
+        ok = so.exists() and (rc == 0 or ninja_gen.target_up_to_date(top, str(so)))
+        if not ok:
+            log = Path(j.outputs["log"])
+            text = log.read_text() if log.exists() else output
+            failed += [(v, _error_excerpt(text)) for v in j.variants]
+            continue
+        resources, reason = check_build(j.variants[0], j.outputs)
+        if reason:
+            failed += [(v, reason) for v in j.variants]
+            continue
+        dest = _installed_so(j.key, j.source_hash)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        shutil.copyfile(so, tmp)
+        os.replace(tmp, dest)
+        for v in j.variants:
+            reg.put_variant(uri=v.uri, spec=spec.name, variant=v.to_dict(), bucket=v.bucket,
+                            source_hash=j.source_hash, nvcc_version=ninja_gen.nvcc_version(), archs=list(v.archs),
+                            so_path=str(dest), build_seconds=secs, resources=resources)
+            built.append(BuiltVariant(v, dest, j.source_hash, secs, resources, cached=False))
+    return built, failed
+
+
+def _error_excerpt(text: str, limit: int = 40) -> str:
+    lines = [l for l in text.splitlines() if "error" in l.lower()] or text.splitlines()
+    return "\n".join(lines[:limit])
+
+
+def build_variants(spec: Spec | dict | str | os.PathLike, kernels: str | None = None,
+                   jobs: int | None = None) -> list[BuiltVariant]:
+    """Build (or reuse) the variants of ``spec`` (a Spec, a spec dict or a YAML path) matching ``kernels``.
+
+    Raises:
+        SpecError: invalid spec.
+        BuildError: any selected variant failed to build or check; the message carries the errors.
+    """
+    if isinstance(spec, Spec):
+        s = spec
+    elif isinstance(spec, dict):
+        s = parse_spec(spec)
+    else:
+        s = load_spec(spec)
+    rep = build(s, kernels=kernels, jobs=jobs)
+    if rep.failed:
+        raise BuildError("; ".join(f"{v.uri}: {msg}" for v, msg in rep.failed))
+    return rep.built

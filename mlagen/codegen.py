@@ -1,0 +1,90 @@
+"""Render variants into CUDA sources: one jinja2 Environment (StrictUndefined), one render helper,
+and files written only when their content changed so ninja stays incremental.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import jinja2
+
+from mlagen import __version__, paths
+from mlagen.spec import Variant
+from mlagen.tables import MASKS
+
+MODULE_TEMPLATE = "mla_verify_module.cu.j2"
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(paths.TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(template: str, **context) -> str:
+    """Render ``templates/<template>`` with ``context``; a missing variable raises jinja2.UndefinedError."""
+    return _env().get_template(template).render(**context)
+
+
+def template_context(v: Variant) -> dict:
+    """The only values a template sees: ints and vetted tokens from :mod:`mlagen.tables`."""
+    return dict(
+        mlagen_version=__version__,
+        uri=v.build_key,
+        heads=int(v.heads),
+        q_len=int(v.q_len),
+        kv_lora_rank=int(v.kv_lora_rank),
+        qk_rope_head_dim=int(v.qk_rope_head_dim),
+        page_size=int(v.page_size),
+        load_width=int(v.load_width),
+        block_n=int(v.block_n),
+        num_warps=int(v.num_warps),
+        row_tiles=int(v.row_tiles),
+        stages=int(v.stages),
+        mask_cpp=MASKS[v.mask][0],
+    )
+
+
+def render_variant(v: Variant) -> str:
+    """CUDA source (pybind11 module) of variant ``v``."""
+    return render(MODULE_TEMPLATE, **template_context(v))
+
+
+@functools.lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """sha256 over every kernel header under include/ (they are part of each variant's source)."""
+    h = hashlib.sha256()
+    for p in sorted(paths.INCLUDE_DIR.rglob("*.cuh")):
+        h.update(p.relative_to(paths.INCLUDE_DIR).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def source_hash(source: str, flags: list[str], nvcc_version: str) -> str:
+    """Cache key of a build: sha256 of rendered source + kernel headers + flags + nvcc version."""
+    h = hashlib.sha256()
+    for part in (source, headers_digest(), "\0".join(flags), nvcc_version):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` only if it differs from the current content. Returns True if written."""
+    path = Path(path)
+    try:
+        if path.read_text() == text:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return True

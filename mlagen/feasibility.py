@@ -1,0 +1,75 @@
+"""Reject infeasible variants before rendering (mirrors the static_asserts of
+include/mlagen/mla_verify_config.cuh; CUTLASS's generator drops tiles over the arch's shared memory
+the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlagen.spec import Variant
+from mlagen.tables import SMEM_LIMIT
+
+SOFTMAX_LANES = 8
+REG_TILE_LIMIT = 200  # registers per thread held in Q / S / O fragments (same bound as the C++ config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """Static resource model of one variant: shared memory (bytes) and register tiles (words/thread)."""
+
+    smem_bytes: int
+    regs_q: int
+    regs_s: int
+    regs_o: int
+
+    @property
+    def regs_tiles(self) -> int:
+        return self.regs_q + self.regs_s + self.regs_o
+
+
+def resources(v: Variant) -> Resources:
+    """Shared memory and register-tile sizes of ``v``, computed as the C++ MlaVerifyConfig does."""
+    dim_qk, dim_v = v.dim_qk, v.dim_v
+    kv_row = dim_qk + 8
+    smem_kv = v.stages * v.block_n * kv_row * 2
+    smem_s = v.num_warps * v.rows_per_cta * v.block_n * 4
+    smem_p = v.rows_per_cta * (v.block_n + 8) * 2
+    smem_stats = 3 * v.rows_per_cta * 4
+    k_steps = dim_qk // 16
+    ks_per_warp = -(-k_steps // v.num_warps)
+    regs_q = v.row_tiles * ks_per_warp * 4
+    regs_s = v.row_tiles * (v.block_n // 8) * 4
+    regs_o = v.row_tiles * (dim_v // v.num_warps // 8) * 4
+    return Resources(smem_kv + smem_s + smem_p + smem_stats, regs_q, regs_s, regs_o)
+
+
+def infeasible_reason(v: Variant) -> str | None:
+    """Why ``v`` cannot be built for all of its archs, or None when it can."""
+    r = resources(v)
+    for arch in v.archs:
+        if r.smem_bytes > SMEM_LIMIT[arch]:
+            return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
+    if (v.dim_v // v.num_warps) % 16:
+        return f"kv_lora_rank / num_warps = {v.dim_v / v.num_warps:g} dims is not a multiple of 16"
+    if v.block_n % SOFTMAX_LANES:
+        return f"block_n {v.block_n} does not divide by {SOFTMAX_LANES} softmax lanes"
+    if v.dim_qk // 16 < v.num_warps:
+        return f"{v.dim_qk // 16} k-steps cannot be shared by {v.num_warps} warps"
+    if r.regs_tiles > REG_TILE_LIMIT:
+        return f"register tiles {r.regs_tiles} words/thread > {REG_TILE_LIMIT} (Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill"
+    if v.rows_per_cta > 2 * v.rows_max and v.row_tiles > 1:
+        return f"row_tiles {v.row_tiles} ({v.rows_per_cta} rows) is more than twice the {v.rows_max} rows of H x q_len"
+    return None
+
+
+def split_feasible(variants: list[Variant]) -> tuple[list[Variant], list[tuple[Variant, str]]]:
+    """Partition into (feasible, [(infeasible, reason)])."""
+    ok, bad = [], []
+    for v in variants:
+        reason = infeasible_reason(v)
+        if reason is None:
+            ok.append(v)
+        else:
+            bad.append((v, reason))
+    return ok, bad

@@ -1,0 +1,146 @@
+"""SQLite registry of built variants, verifications and benchmarks (under MLAGEN_CACHE_DIR).
+
+Tables:
+- ``variants``: uri, spec name, variant fields (JSON), bucket, source hash, nvcc version, archs,
+  .so path, build seconds, per-arch ptxas resources (JSON), build time.
+- ``verifications``: uri, source hash, device name, arch, number of cases, max abs error, pass.
+- ``benchmarks``: uri, source hash, device, arch, shape (JSON), median µs, GB/s, mlagen version, time.
+- ``bench_runs``: one JSON record per ``mlagen bench`` run (device, driver, versions, every row).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from mlagen import __version__, paths
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS variants (
+  uri TEXT PRIMARY KEY, spec TEXT, variant_json TEXT NOT NULL, bucket TEXT NOT NULL,
+  source_hash TEXT NOT NULL, nvcc_version TEXT NOT NULL, archs TEXT NOT NULL, so_path TEXT NOT NULL,
+  build_seconds REAL, resources_json TEXT, built_at REAL, mlagen_version TEXT);
+CREATE TABLE IF NOT EXISTS verifications (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, uri TEXT NOT NULL, source_hash TEXT NOT NULL, device TEXT, arch TEXT,
+  cases INTEGER, max_err REAL, passed INTEGER, detail_json TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS benchmarks (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, uri TEXT NOT NULL, source_hash TEXT NOT NULL, device TEXT, arch TEXT,
+  shape_json TEXT, median_us REAL, gbs REAL, frac_copy_bw REAL, mlagen_version TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS bench_runs (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, record_json TEXT);
+"""
+
+
+class Registry:
+    """Thin wrapper over one sqlite3 database file; safe across processes (sqlite's own locking)."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else paths.registry_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._conn() as c:
+            c.executescript(_SCHEMA)
+
+    @contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        conn = sqlite3.connect(self.path, timeout=60)
+        conn.row_factory = sqlite3.Row
+        try:
+            with conn:
+                yield conn
+        finally:
+            conn.close()
+
+    # ---- variants
+    def put_variant(self, *, uri: str, spec: str, variant: dict, bucket: str, source_hash: str, nvcc_version: str,
+                    archs: list[str], so_path: str, build_seconds: float, resources: dict) -> None:
+        with self._conn() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO variants VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (uri, spec, json.dumps(variant), bucket, source_hash, nvcc_version, ",".join(archs), so_path,
+                 build_seconds, json.dumps(resources), time.time(), __version__),
+            )
+
+    def get_variant(self, uri: str) -> dict | None:
+        with self._conn() as c:
+            row = c.execute("SELECT * FROM variants WHERE uri=?", (uri,)).fetchone()
+        return _variant_row(row) if row else None
+
+    def variants(self, pattern: str | None = None) -> list[dict]:
+        """All registered variants (uri matching the shell glob ``pattern`` when given), by uri."""
+        with self._conn() as c:
+            rows = c.execute("SELECT * FROM variants ORDER BY uri").fetchall()
+        out = [_variant_row(r) for r in rows]
+        if pattern:
+            import fnmatch
+
+            out = [r for r in out if fnmatch.fnmatchcase(r["uri"], pattern)]
+        return out
+
+    def delete_variant(self, uri: str) -> None:
+        with self._conn() as c:
+            c.execute("DELETE FROM variants WHERE uri=?", (uri,))
+
+    # ---- verifications
+    def add_verification(self, *, uri: str, source_hash: str, device: str, arch: str, cases: int, max_err: float,
+                         passed: bool, detail: Any = None) -> None:
+        with self._conn() as c:
+            c.execute(
+                "INSERT INTO verifications (uri, source_hash, device, arch, cases, max_err, passed, detail_json, at)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (uri, source_hash, device, arch, cases, max_err, int(passed), json.dumps(detail), time.time()),
+            )
+
+    def last_verification(self, uri: str, source_hash: str | None = None) -> dict | None:
+        q = "SELECT * FROM verifications WHERE uri=?"
+        args: list = [uri]
+        if source_hash:
+            q += " AND source_hash=?"
+            args.append(source_hash)
+        with self._conn() as c:
+            row = c.execute(q + " ORDER BY id DESC LIMIT 1", args).fetchone()
+        return dict(row) if row else None
+
+    # ---- benchmarks
+    def add_benchmark(self, *, uri: str, source_hash: str, device: str, arch: str, shape: dict, median_us: float,
+                      gbs: float, frac_copy_bw: float | None) -> None:
+        with self._conn() as c:
+            c.execute(
+                "INSERT INTO benchmarks (uri, source_hash, device, arch, shape_json, median_us, gbs, frac_copy_bw,"
+                " mlagen_version, at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (uri, source_hash, device, arch, json.dumps(shape, sort_keys=True), median_us, gbs, frac_copy_bw,
+                 __version__, time.time()),
+            )
+
+    def benchmarks(self, uri: str | None = None) -> list[dict]:
+        q, args = "SELECT * FROM benchmarks", []
+        if uri:
+            q, args = q + " WHERE uri=?", [uri]
+        with self._conn() as c:
+            rows = c.execute(q + " ORDER BY id", args).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["shape"] = json.loads(d.pop("shape_json"))
+            out.append(d)
+        return out
+
+    def best_time(self, uri: str) -> float | None:
+        with self._conn() as c:
+            row = c.execute("SELECT MIN(median_us) FROM benchmarks WHERE uri=?", (uri,)).fetchone()
+        return row[0] if row else None
+
+    def add_bench_run(self, record: dict) -> int:
+        with self._conn() as c:
+            cur = c.execute("INSERT INTO bench_runs (at, record_json) VALUES (?, ?)", (time.time(), json.dumps(record)))
+            return int(cur.lastrowid)
+
+
+def _variant_row(row: sqlite3.Row) -> dict:
+    d = dict(row)
+    d["variant"] = json.loads(d.pop("variant_json"))
+    d["resources"] = json.loads(d.pop("resources_json") or "{}")
+    d["archs"] = d["archs"].split(",")
+    return d

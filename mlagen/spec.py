@@ -1,0 +1,283 @@
+"""Spec (YAML) parsing, validation and sweep expansion into :class:`Variant` values.
+
+A spec names the kernel family and its parameters; any parameter may be a list, and the lists
+form a sweep (cartesian product). Validation happens before anything is written: each problem
+raises :class:`SpecError` with a one-line message naming the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from mlagen.tables import ARCHS, DTYPES, MASKS
+
+
+class SpecError(ValueError):
+    """A spec is invalid; the message is one line naming the key and the allowed values."""
+
+
+_POW2_PAGES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One sweepable spec key: its type, allowed values (a list) or inclusive range, and default."""
+
+    name: str
+    kind: type
+    allowed: tuple | None = None
+    lo: int | None = None
+    hi: int | None = None
+    default: Any = None
+    required: bool = False
+    extra: tuple = ()  # extra allowed literal values, e.g. ("auto",)
+
+    def describe(self) -> str:
+        parts = []
+        if self.allowed is not None:
+            parts.append(", ".join(str(v) for v in self.allowed))
+        if self.lo is not None:
+            parts.append(f"{self.kind.__name__} in [{self.lo}, {self.hi}]")
+        parts.extend(repr(e) for e in self.extra)
+        return " or ".join(parts)
+
+    def check(self, value: Any) -> Any:
+        if isinstance(value, str) and value in self.extra:
+            return value
+        if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(
+                f"spec key '{self.name}': expected int, got {type(value).__name__} {value!r}; allowed: {self.describe()}"
+            )
+        if self.kind is str and not isinstance(value, str):
+            raise SpecError(
+                f"spec key '{self.name}': expected str, got {type(value).__name__} {value!r}; allowed: {self.describe()}"
+            )
+        if self.allowed is not None and value not in self.allowed:
+            raise SpecError(f"spec key '{self.name}': value {value!r} not allowed; allowed: {self.describe()}")
+        if self.lo is not None and not (self.lo <= value <= self.hi):
+            raise SpecError(f"spec key '{self.name}': value {value!r} out of range; allowed: {self.describe()}")
+        return value
+
+
+PARAMS: dict[str, Param] = {
+    p.name: p
+    for p in [
+        Param("heads_per_rank", int, lo=1, hi=128, required=True),
+        Param("q_len", int, lo=1, hi=64, required=True),
+        Param("kv_lora_rank", int, allowed=(128, 256, 512), default=512),
+        Param("qk_rope_head_dim", int, lo=0, hi=128, default=64),
+        Param("page_size", int, allowed=tuple(_POW2_PAGES), default=1),
+        Param("nsplit", int, lo=1, hi=256, default="auto", extra=("auto",)),
+        Param("load_width", int, allowed=(32, 64, 128), default=128),
+        Param("block_n", int, allowed=(16, 32, 48, 64), default=16),
+        Param("num_warps", int, allowed=(4, 8, 16), default=8),
+        Param("row_tiles", int, lo=1, hi=8, default=2),
+        Param("stages", int, lo=2, hi=6, default=3),
+        Param("mask", str, allowed=tuple(MASKS), default="tree"),
+        Param("dtype", str, allowed=tuple(DTYPES), default="bf16"),
+    ]
+}
+META_KEYS = {"name": str, "description": str, "kernel": str}
+KERNELS = ("mla_verify",)
+DEFAULT_ARCHS = ("sm_120", "sm_90")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One fully specialized kernel variant. Its :attr:`uri` (built from every field) is its identity."""
+
+    heads: int
+    q_len: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    page_size: int
+    nsplit: int | str
+    load_width: int
+    block_n: int
+    num_warps: int
+    row_tiles: int
+    stages: int
+    mask: str
+    dtype: str
+    archs: tuple[str, ...]
+    kernel: str = "mla_verify"
+
+    @property
+    def uri(self) -> str:
+        arch = "_".join(a.replace("_", "") for a in self.archs)
+        return (
+            f"{self.kernel}_h{self.heads}_q{self.q_len}_kv{self.kv_lora_rank}_rope{self.qk_rope_head_dim}"
+            f"_ps{self.page_size}_ns{self.nsplit}_lw{self.load_width}_bn{self.block_n}_w{self.num_warps}"
+            f"_rt{self.row_tiles}_st{self.stages}_{MASKS[self.mask][1]}_{DTYPES[self.dtype][1]}_{arch}"
+        )
+
+    @property
+    def build_key(self) -> str:
+        """Name of the compiled module: the uri without the split count, which is a launch-time
+        argument (variants differing only in nsplit share one .so)."""
+        return self.uri.replace(f"_ns{self.nsplit}_", "_")
+
+    @property
+    def bucket(self) -> str:
+        """Model-facing shape this variant serves; variants of one bucket differ only in tuning."""
+        return (
+            f"h{self.heads}_q{self.q_len}_kv{self.kv_lora_rank}_rope{self.qk_rope_head_dim}"
+            f"_ps{self.page_size}_{self.mask}_{self.dtype}"
+        )
+
+    @property
+    def dim_qk(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def dim_v(self) -> int:
+        return self.kv_lora_rank
+
+    @property
+    def rows_max(self) -> int:
+        return self.heads * self.q_len
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.row_tiles
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.rows_max // self.rows_per_cta)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["archs"] = list(self.archs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Variant":
+        d = dict(d)
+        d["archs"] = tuple(d["archs"])
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A validated spec: its name, the per-key value lists of the sweep, and the arch list."""
+
+    name: str
+    kernel: str
+    values: Mapping[str, tuple]
+    archs: tuple[str, ...]
+    source: str = "<dict>"
+
+    def variants(self) -> list[Variant]:
+        """Cartesian product of all value lists, in spec order (no feasibility filtering)."""
+        keys = list(PARAMS)
+        out = []
+        for combo in itertools.product(*(self.values[k] for k in keys)):
+            kv = dict(zip(keys, combo))
+            out.append(
+                Variant(
+                    heads=kv["heads_per_rank"], q_len=kv["q_len"], kv_lora_rank=kv["kv_lora_rank"],
+                    qk_rope_head_dim=kv["qk_rope_head_dim"], page_size=kv["page_size"], nsplit=kv["nsplit"],
+                    load_width=kv["load_width"], block_n=kv["block_n"], num_warps=kv["num_warps"],
+                    row_tiles=kv["row_tiles"], stages=kv["stages"], mask=kv["mask"], dtype=kv["dtype"],
+                    archs=self.archs, kernel=self.kernel,
+                )
+            )
+        return out
+
+
+def _as_list(v: Any) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def parse_spec(data: Any, source: str = "<dict>") -> Spec:
+    """Validate a spec mapping (as loaded from YAML) and return a :class:`Spec`.
+
+    Raises:
+        SpecError: unknown key, wrong type, value out of range, empty list, or head dims that do
+            not divide by the load width / the MMA k step. The message names the key and the
+            allowed values.
+    """
+    if not isinstance(data, Mapping):
+        raise SpecError(f"spec {source}: top level must be a mapping of keys to values, got {type(data).__name__}")
+    allowed_keys = sorted(set(PARAMS) | set(META_KEYS) | {"arch"})
+    for key in data:
+        if key not in allowed_keys:
+            raise SpecError(f"unknown spec key {key!r}; allowed keys: {', '.join(allowed_keys)}")
+    for key, typ in META_KEYS.items():
+        if key in data and not isinstance(data[key], typ):
+            raise SpecError(f"spec key '{key}': expected {typ.__name__}, got {type(data[key]).__name__}")
+    kernel = data.get("kernel", "mla_verify")
+    if kernel not in KERNELS:
+        raise SpecError(f"spec key 'kernel': value {kernel!r} not allowed; allowed: {', '.join(KERNELS)}")
+
+    values: dict[str, tuple] = {}
+    for name, param in PARAMS.items():
+        if name not in data:
+            if param.required:
+                raise SpecError(f"spec key '{name}' is required; allowed: {param.describe()}")
+            values[name] = (param.default,)
+            continue
+        raw = _as_list(data[name])
+        if not raw:
+            raise SpecError(f"spec key '{name}': empty list; allowed: {param.describe()}")
+        checked = tuple(dict.fromkeys(param.check(v) for v in raw))  # dedupe, keep order
+        values[name] = checked
+
+    archs_raw = _as_list(data.get("arch", list(DEFAULT_ARCHS)))
+    if not archs_raw:
+        raise SpecError(f"spec key 'arch': empty list; allowed: {', '.join(ARCHS)}")
+    for a in archs_raw:
+        if a not in ARCHS:
+            raise SpecError(f"spec key 'arch': value {a!r} not allowed; allowed: {', '.join(ARCHS)}")
+    archs = tuple(dict.fromkeys(archs_raw))
+
+    for rank in values["kv_lora_rank"]:
+        for rope in values["qk_rope_head_dim"]:
+            dim = rank + rope
+            for lw in values["load_width"]:
+                if (dim * 16) % lw:
+                    ok = [w for w in PARAMS["load_width"].allowed if (dim * 16) % w == 0]
+                    raise SpecError(
+                        f"spec key 'load_width': {lw}-bit loads do not divide a {dim}-dim bf16 row "
+                        f"(kv_lora_rank {rank} + qk_rope_head_dim {rope}); allowed: {', '.join(map(str, ok)) or 'none'}"
+                    )
+            if dim % 16:
+                raise SpecError(
+                    f"spec key 'qk_rope_head_dim': kv_lora_rank + qk_rope_head_dim = {dim} is not a multiple of 16 "
+                    f"(mma k step); allowed: values making the sum a multiple of 16"
+                )
+    name = data.get("name") or Path(source).stem
+    return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a YAML spec file (``yaml.safe_load``).
+
+    Raises:
+        SpecError: unreadable file, YAML syntax error, or any validation error of :func:`parse_spec`.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read spec {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(f"spec {path}: invalid YAML: {str(e).splitlines()[0]}") from None
+    return parse_spec(data, source=str(path))
+
+
+def filter_by_glob(variants: Iterable[Variant], pattern: str | None) -> list[Variant]:
+    """Keep the variants whose uri matches the shell glob ``pattern`` (all when None)."""
+    import fnmatch
+
+    vs = list(variants)
+    if not pattern:
+        return vs
+    return [v for v in vs if fnmatch.fnmatchcase(v.uri, pattern)]

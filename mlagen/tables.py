@@ -1,0 +1,38 @@
+"""One table per enum: spec value -> C++ spelling and short uri token.
+
+Templates receive only ints and the vetted strings from these tables, never raw spec text
+(pattern of CUTLASS ``library.py`` DataTypeTag / ShortDataTypeNames).
+"""
+
+MASKS = {
+    # spec value: (C++ enumerator, uri token)
+    "none": ("mlagen::MaskKind::kNone", "none"),
+    "causal": ("mlagen::MaskKind::kCausal", "causal"),
+    "tree": ("mlagen::MaskKind::kTree", "tree"),
+}
+
+DTYPES = {
+    # spec value: (C++ element type, uri token)
+    "bf16": ("__nv_bfloat16", "bf16"),
+}
+
+ARCHS = {
+    # spec value: (nvcc -gencode argument, compute capability)
+    "sm_120": ("arch=compute_120,code=sm_120", (12, 0)),
+    "sm_90": ("arch=compute_90,code=sm_90", (9, 0)),
+}
+
+# Per-arch limits used by the feasibility filter (bytes of dynamic shared memory per block).
+SMEM_LIMIT = {"sm_120": 101376, "sm_90": 232448}
+
+
+def arch_of_capability(major: int, minor: int) -> str:
+    """Map a CUDA compute capability (e.g. ``(9, 0)``) to an arch key of :data:`ARCHS` ("sm_90").
+
+    Raises:
+        KeyError: the capability has no entry (mlagen builds only sm_120 and sm_90).
+    """
+    for name, (_, cc) in ARCHS.items():
+        if cc == (major, minor):
+            return name
+    raise KeyError(f"no mlagen arch for compute capability {major}.{minor}; supported: {sorted(ARCHS)}")
