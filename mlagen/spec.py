@@ -87,6 +87,13 @@ KERNELS = ("mla_verify",)
 DEFAULT_ARCHS = ("sm_120", "sm_90")
 
 
+_URI_RE = __import__("re").compile(
+    r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
+    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)"
+    r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16)_(?P<archs>sm\d+(?:_sm\d+)*)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One fully specialized kernel variant. Its :attr:`uri` (built from every field) is its identity."""
@@ -154,6 +161,24 @@ class Variant:
         d = dataclasses.asdict(self)
         d["archs"] = list(self.archs)
         return d
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "Variant":
+        """Parse a uri back into its Variant (the uri is the identity).
+
+        Raises:
+            ValueError: ``uri`` is not an mlagen verify uri.
+        """
+        m = _URI_RE.fullmatch(uri)
+        if not m:
+            raise ValueError(f"not an mlagen variant uri: {uri!r}")
+        g = m.groupdict()
+        archs = tuple("sm_" + a[2:] for a in g["archs"].split("_"))
+        ns = g["ns"]
+        return cls(heads=int(g["h"]), q_len=int(g["q"]), kv_lora_rank=int(g["kv"]), qk_rope_head_dim=int(g["rope"]),
+                   page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=int(g["lw"]),
+                   block_n=int(g["bn"]), num_warps=int(g["w"]), row_tiles=int(g["rt"]), stages=int(g["st"]),
+                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"])
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Variant":

@@ -1,0 +1,102 @@
+"""Benchmark verified variants: CUDA-graph replay, median, inputs rotated so L2 cannot serve them.
+
+Bytes per launch (the floor's memory term) = KV read once (bs * ctx * D * 2) + q (bs * q_len * H * D * 2)
++ out (bs * q_len * H * kv_lora_rank * 2); FLOPs = 2 * rows * ctx * (D + kv_lora_rank), rows = bs * q_len * H.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from mlagen.cases import make_problem
+from mlagen.ops import VerifyKernel
+
+L2_ROTATE_BYTES = 256 << 20  # rotate inputs over at least this many bytes (H200 L2: 50 MB)
+CONTEXTS = (4096, 16384, 65536)
+BATCHES = (1, 4)
+
+
+@dataclasses.dataclass
+class Shape:
+    heads: int
+    q_len: int
+    batch_size: int
+    context: int
+    page_size: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def verify_bytes(heads: int, q_len: int, bs: int, ctx: int, dim_qk: int = 576, dim_v: int = 512) -> int:
+    """Bytes a verify launch must move: KV once + q + out (bf16)."""
+    return bs * ctx * dim_qk * 2 + bs * q_len * heads * dim_qk * 2 + bs * q_len * heads * dim_v * 2
+
+
+def verify_flops(heads: int, q_len: int, bs: int, ctx: int, dim_qk: int = 576, dim_v: int = 512) -> int:
+    """2 * rows * kv_len * (D_qk + D_v) with rows = bs * q_len * heads."""
+    return 2 * bs * q_len * heads * ctx * (dim_qk + dim_v)
+
+
+def copy_bandwidth_gbs(device="cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), median over ``reps``."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
+    """Median µs per launch: capture all ``launches`` (callables) in one CUDA graph, replay it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in launches:  # warm: module load, smem attribute
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in launches:
+            f()
+    for _ in range(warmup):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        g.replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) * 1e3 / len(launches))
+    return statistics.median(times)
+
+
+def bench_kernel(kernel: VerifyKernel, shape: Shape, device="cuda", seed: int = 0) -> dict:
+    """Time ``kernel`` at ``shape``; returns median_us, gbs, bytes, flops, rotations."""
+    v = kernel.variant
+    per = verify_bytes(shape.heads, shape.q_len, shape.batch_size, shape.context, v.dim_qk, v.dim_v)
+    n_rot = max(2, min(64, -(-L2_ROTATE_BYTES // per)))
+    launches = []
+    for r in range(n_rot):
+        p = make_problem(v, [shape.context] * shape.batch_size, q_len=shape.q_len, device=device, seed=seed + r,
+                         poison_pool=False, name="bench")
+        out = torch.empty(p.q.shape[0], v.heads, v.dim_v, dtype=torch.bfloat16, device=device)
+        ws = kernel.alloc_workspace(shape.batch_size, device)
+        launches.append(lambda p=p, out=out, ws=ws: kernel(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out,
+                                                           workspace=ws, **p.kernel_args()))
+    us = graph_time_us(launches)
+    return dict(median_us=us, gbs=per / (us * 1e-6) / 1e9, bytes=per,
+                flops=verify_flops(shape.heads, shape.q_len, shape.batch_size, shape.context, v.dim_qk, v.dim_v),
+                rotations=n_rot)

@@ -1,0 +1,223 @@
+"""Python front of a built variant: tensor checks (ValueError before any launch), workspace
+sizing, split-count policy, and the launch through the variant's pybind11 module (which takes
+device pointers, strides and the stream; no torch headers in the compiled code).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+from mlagen.spec import Variant
+
+# nsplit "auto": aim for this many CTAs per SM over the whole batch, and at least this many KV
+# tokens per split (shorter splits cost more in combine traffic than they win in parallelism).
+AUTO_CTAS_PER_SM = 2
+AUTO_MIN_TOKENS_PER_SPLIT = 128
+MAX_SPLITS = 256
+
+
+def load_module(key: str, so_path: str | Path):
+    """Import the compiled module named ``key`` from ``so_path``."""
+    spec = importlib.util.spec_from_file_location(key, str(so_path))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {so_path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class VerifyKernel:
+    """A loaded MLA verify variant; call it like a function.
+
+    Attributes:
+        variant: the :class:`~mlagen.spec.Variant` (heads, q_len max, page_size, mask, nsplit, ...).
+    """
+
+    def __init__(self, variant: Variant, so_path: str | Path):
+        self.variant = variant
+        self.so_path = Path(so_path)
+        self.module = load_module(variant.build_key, so_path)
+        self._sm: dict[int, int] = {}
+
+    # ---- split policy
+    def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
+        """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
+
+        Fixed variants return their nsplit. ``auto``: ceil(AUTO_CTAS_PER_SM * SMs / (bs * row_blocks)),
+        clamped to [1, 256]; each request then spreads its tiles over those splits on the device.
+        """
+        v = self.variant
+        if v.nsplit != "auto":
+            return int(v.nsplit)
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in self._sm:
+            self._sm[idx] = _sm_count(dev)
+        n = math.ceil(AUTO_CTAS_PER_SM * self._sm[idx] / (max(1, batch_size) * v.row_blocks))
+        return max(1, min(MAX_SPLITS, n))
+
+    def min_tiles_per_split(self) -> int:
+        if self.variant.nsplit != "auto":
+            return 1
+        return max(1, AUTO_MIN_TOKENS_PER_SPLIT // self.variant.block_n)
+
+    def workspace_numel(self, batch_size: int, device: torch.device | None = None) -> int:
+        """fp32 elements of split workspace needed for every batch size up to ``batch_size``:
+        o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len]."""
+        v = self.variant
+        need = 0
+        for bs in range(1, max(1, batch_size) + 1):
+            s = self.num_splits(bs, device)
+            need = max(need, bs * s * v.rows_max * (v.dim_v + 1))
+        return need
+
+    def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
+        """Allocate the 1-D fp32 workspace for batches up to ``batch_size``."""
+        return torch.empty(self.workspace_numel(batch_size, torch.device(device)), dtype=torch.float32, device=device)
+
+    # ---- launch
+    def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len: int, softmax_scale: float, tree_mask=None,
+                 req_pool_indices=None, out=None, lse=None, workspace=None):
+        """Verify attention for a batch; returns ``(out, lse)``.
+
+        Args:
+            q: bf16 [bs*q_len, H, D] (D = kv_lora_rank + qk_rope_head_dim = 576), last dim contiguous.
+            kv_cache: bf16 [num_slots, D] or [num_slots, 1, D]; V is the first kv_lora_rank dims of a row.
+            block_table: int32 [rows, max_pages] page ids, last dim contiguous (page_size 1: SGLang's
+                req_to_token). It must cover ceil(kv_len / page_size) pages of every request.
+            kv_lens: int32 [bs] cached tokens per request including the draft tokens; 0 = padded row.
+            q_len: draft tokens per request, 1 <= q_len <= variant.q_len.
+            softmax_scale: float > 0 (the layer's scaling, yarn mscale included).
+            tree_mask: int64 [bs, q_len] bitmasks (mask 'tree' only): bit j of row i = query i sees draft j.
+            req_pool_indices: optional int32/int64 [bs]: request b reads block_table[req_pool_indices[b]].
+            out: optional bf16 [bs*q_len, H, kv_lora_rank]; lse: optional fp32 [bs*q_len, H] (natural log).
+            workspace: optional fp32 1-D from :meth:`alloc_workspace`. With out and workspace given,
+                the call allocates nothing and never synchronizes (CUDA-graph safe).
+        Raises:
+            ValueError: a tensor has the wrong dtype, shape, device, strides or alignment; nothing is launched.
+            RuntimeError: the CUDA launch failed.
+        """
+        v = self.variant
+        D, DV, H = v.dim_qk, v.dim_v, v.heads
+        lw_bytes = v.load_width // 8
+        if not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
+            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+        _check(kv_lens, "kv_lens", torch.int32, ndim=1)
+        if not kv_lens.is_contiguous():
+            raise ValueError("kv_lens must be contiguous")
+        bs = kv_lens.shape[0]
+        _check(q, "q", torch.bfloat16, shape=(bs * q_len, H, D))
+        if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
+            raise ValueError(f"q must have a contiguous last dim, even strides and 4-byte alignment; strides {q.stride()}")
+        if kv_cache.dim() == 3:
+            if kv_cache.shape[1] != 1:
+                raise ValueError(f"kv_cache must be [num_slots, {D}] or [num_slots, 1, {D}], got {tuple(kv_cache.shape)}")
+            kv2 = kv_cache.select(1, 0)
+        else:
+            kv2 = kv_cache
+        _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
+        if kv2.shape[1] != D:
+            raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
+        if kv2.stride(1) != 1 or (kv2.stride(0) * 2) % lw_bytes or kv2.data_ptr() % lw_bytes:
+            raise ValueError(
+                f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for {v.load_width}-bit loads; "
+                f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
+        _check(block_table, "block_table", torch.int32, ndim=2)
+        if block_table.stride(1) != 1:
+            raise ValueError("block_table must have a contiguous last dim")
+        if req_pool_indices is not None:
+            if req_pool_indices.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"req_pool_indices must be int32 or int64, got {req_pool_indices.dtype}")
+            _check(req_pool_indices, "req_pool_indices", req_pool_indices.dtype, shape=(bs,))
+            if not req_pool_indices.is_contiguous():
+                raise ValueError("req_pool_indices must be contiguous")
+        elif block_table.shape[0] < bs:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {bs} (pass req_pool_indices?)")
+        if v.mask == "tree":
+            if tree_mask is None:
+                raise ValueError(f"{v.uri} uses a tree mask: pass tree_mask int64 [bs, q_len]")
+            _check(tree_mask, "tree_mask", torch.int64, shape=(bs, q_len))
+            if tree_mask.stride(1) != 1:
+                raise ValueError("tree_mask must have a contiguous last dim")
+        if out is None:
+            out = torch.empty(bs * q_len, H, DV, dtype=torch.bfloat16, device=q.device)
+        _check(out, "out", torch.bfloat16, shape=(bs * q_len, H, DV))
+        if out.stride(2) != 1 or out.stride(0) % 2 or out.stride(1) % 2 or out.data_ptr() % 4:
+            raise ValueError(f"out must have a contiguous last dim, even strides and 4-byte alignment; strides {out.stride()}")
+        if lse is not None:
+            _check(lse, "lse", torch.float32, shape=(bs * q_len, H))
+            if lse.stride(1) != 1:
+                raise ValueError("lse must have a contiguous last dim")
+        tensors = [q, kv2, block_table, kv_lens, out] + [t for t in (tree_mask, req_pool_indices, lse, workspace) if t is not None]
+        for t in tensors:
+            if t.device.type != "cuda":
+                raise ValueError(f"all tensors must be on a CUDA device; got a tensor on {t.device}")
+            if t.device != q.device:
+                raise ValueError(f"all tensors must be on {q.device}; got a tensor on {t.device}")
+        splits = self.num_splits(bs, q.device)
+        rows_max = v.rows_max
+        need = bs * splits * rows_max * (DV + 1)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        _check(workspace, "workspace", torch.float32, ndim=1)
+        if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
+            raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
+                             f"(alloc_workspace({bs})), got {workspace.numel()}")
+        o_part = workspace.data_ptr()
+        lse_part = o_part + bs * splits * rows_max * DV * 4
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with torch.cuda.device(q.device):
+            self.module.run(
+                q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0),
+                block_table.data_ptr(), block_table.stride(0),
+                req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
+                int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64),
+                kv_lens.data_ptr(),
+                tree_mask.data_ptr() if tree_mask is not None else 0,
+                tree_mask.stride(0) if tree_mask is not None else 0,
+                o_part, lse_part, out.data_ptr(), out.stride(0), out.stride(1),
+                lse.data_ptr() if lse is not None else 0, lse.stride(0) if lse is not None else 0,
+                bs, q_len, splits, self.min_tiles_per_split(), float(softmax_scale), stream,
+            )
+        return out, lse
+
+
+def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def load_so(uri: str, so_path: str | Path) -> VerifyKernel:
+    """Load a variant from an explicit .so path (as recorded in the registry or the installed state);
+    the variant's parameters come from its uri."""
+    return VerifyKernel(Variant.from_uri(uri), so_path)
+
+
+def load_variant(uri: str) -> VerifyKernel:
+    """Load a built variant by uri from the registry.
+
+    Raises:
+        KeyError: the uri was never built (run ``mlagen build SPEC``).
+    """
+    from mlagen.registry import Registry
+
+    row = Registry().get_variant(uri)
+    if row is None:
+        raise KeyError(f"{uri} is not in the registry; build it with `mlagen build SPEC`")
+    return VerifyKernel(Variant.from_dict(row["variant"]), row["so_path"])

@@ -1,0 +1,162 @@
+"""Installed state: which built variants the SGLang backend may load.
+
+The state lives in one JSON file, ``$MLAGEN_CACHE_DIR/installed.json`` (default cache dir
+``~/.cache/mlagen``)::
+
+    {"mlagen_version": "0.1.0", "arch": "sm_90",
+     "entries": [{"uri": "...", "so_path": "/abs/path.so", "role": "verify",
+                  "heads": 16, "q_len": 9, "page_size": 64, "kv_lora_rank": 512,
+                  "qk_rope_head_dim": 64, "mask": "tree", "nsplit": "auto",
+                  "bucket": "h16_q9_kv512_rope64_ps64_tree_bf16"}]}
+
+``role`` is ``"verify"`` (TARGET_VERIFY, q_len = max draft tokens) or ``"decode"`` (plain decode,
+q_len = 1). Only the standard library is used here, so the CLI and the CPU tests can import it
+without torch or SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "installed.json"
+ARCHS = ("sm_90", "sm_120")
+ROLES = ("verify", "decode")
+MASKS = ("tree", "causal", "none")
+_INT_FIELDS = ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim")
+_STR_FIELDS = ("uri", "so_path", "bucket")
+
+
+class InstalledStateError(ValueError):
+    """installed.json exists but is not valid JSON or does not follow the schema."""
+
+
+def cache_dir() -> Path:
+    """``$MLAGEN_CACHE_DIR`` or ``~/.cache/mlagen`` (not created here)."""
+    return Path(os.environ.get("MLAGEN_CACHE_DIR") or Path.home() / ".cache" / "mlagen").expanduser()
+
+
+def installed_path() -> Path:
+    """Path of the installed-state file (may not exist)."""
+    return cache_dir() / STATE_FILE
+
+
+def empty_state(mlagen_version: str = "", arch: str = "sm_90") -> dict:
+    """A valid state with no entries."""
+    return {"mlagen_version": mlagen_version, "arch": arch, "entries": []}
+
+
+def validate_entry(entry: Any, where: str = "entry") -> dict:
+    """Check one entry against the schema and return it as a plain dict.
+
+    Raises:
+        InstalledStateError: a field is missing, has the wrong type, or an unknown value.
+    """
+    if not isinstance(entry, dict):
+        raise InstalledStateError(f"{where}: must be an object, got {type(entry).__name__}")
+    for k in _STR_FIELDS:
+        if not isinstance(entry.get(k), str) or not entry[k]:
+            raise InstalledStateError(f"{where}: field {k!r} must be a non-empty string")
+    for k in _INT_FIELDS:
+        v = entry.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise InstalledStateError(f"{where}: field {k!r} must be a positive int, got {v!r}")
+    if entry.get("role") not in ROLES:
+        raise InstalledStateError(f"{where}: role must be one of {ROLES}, got {entry.get('role')!r}")
+    if entry.get("mask") not in MASKS:
+        raise InstalledStateError(f"{where}: mask must be one of {MASKS}, got {entry.get('mask')!r}")
+    ns = entry.get("nsplit")
+    if not (ns == "auto" or (isinstance(ns, int) and not isinstance(ns, bool) and ns > 0)):
+        raise InstalledStateError(f"{where}: nsplit must be a positive int or 'auto', got {ns!r}")
+    if entry["role"] == "decode" and entry["q_len"] != 1:
+        raise InstalledStateError(f"{where}: a decode entry must have q_len 1, got {entry['q_len']}")
+    return dict(entry)
+
+
+def validate_state(state: Any) -> dict:
+    """Check a whole state object; returns a normalized copy.
+
+    Raises:
+        InstalledStateError: wrong top-level shape, unknown arch, bad entry, or a duplicated uri.
+    """
+    if not isinstance(state, dict):
+        raise InstalledStateError(f"installed state must be an object, got {type(state).__name__}")
+    if not isinstance(state.get("mlagen_version"), str):
+        raise InstalledStateError("installed state: 'mlagen_version' must be a string")
+    if state.get("arch") not in ARCHS:
+        raise InstalledStateError(f"installed state: 'arch' must be one of {ARCHS}, got {state.get('arch')!r}")
+    entries = state.get("entries")
+    if not isinstance(entries, list):
+        raise InstalledStateError("installed state: 'entries' must be a list")
+    out, seen = [], set()
+    for i, e in enumerate(entries):
+        e = validate_entry(e, where=f"entries[{i}]")
+        if e["uri"] in seen:
+            raise InstalledStateError(f"entries[{i}]: uri {e['uri']!r} is listed twice")
+        seen.add(e["uri"])
+        out.append(e)
+    return {"mlagen_version": state["mlagen_version"], "arch": state["arch"], "entries": out}
+
+
+def read_installed(path: str | os.PathLike | None = None) -> dict | None:
+    """Read and validate the installed state.
+
+    Returns:
+        The state dict, or None when the file does not exist.
+    Raises:
+        InstalledStateError: the file exists but is not valid JSON or not of the schema.
+    """
+    p = Path(path) if path is not None else installed_path()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InstalledStateError(f"{p}: not valid JSON ({e}); run `mlagen uninstall` and install again") from e
+    try:
+        return validate_state(data)
+    except InstalledStateError as e:
+        raise InstalledStateError(f"{p}: {e}") from None
+
+
+def write_installed(state: dict, path: str | os.PathLike | None = None) -> Path:
+    """Validate ``state`` and write it atomically (temp file in the same dir + ``os.replace``).
+
+    Returns:
+        The path written.
+    Raises:
+        InstalledStateError: ``state`` does not follow the schema (nothing is written).
+    """
+    state = validate_state(state)
+    p = Path(path) if path is not None else installed_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".installed.", suffix=".tmp", dir=str(p.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return p
+
+
+def clear_installed(path: str | os.PathLike | None = None) -> bool:
+    """Remove the installed-state file. Returns True when a file was removed."""
+    p = Path(path) if path is not None else installed_path()
+    try:
+        p.unlink()
+        return True
+    except FileNotFoundError:
+        return False

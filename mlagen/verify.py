@@ -1,0 +1,83 @@
+"""Verify built variants against the torch reference on the GPU over the case set of
+:mod:`mlagen.cases`. Outputs are NaN-poisoned before every launch; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from mlagen.cases import Problem, verify_cases
+from mlagen.ops import VerifyKernel
+from mlagen.reference import mla_verify_reference
+
+# bf16 output (8-bit mantissa) of fp32-accumulated attention; P is rounded to bf16 before P V.
+TOLERANCE = {"bf16": dict(out_atol=2e-2, out_rel_l2=1e-2, lse_atol=2e-3, lse_rtol=1e-3)}
+
+
+@dataclasses.dataclass
+class CaseResult:
+    name: str
+    passed: bool
+    max_abs_err: float
+    rel_l2_err: float
+    lse_max_err: float
+    detail: str = ""
+
+
+def compare(p: Problem, out: torch.Tensor, lse: torch.Tensor, dtype: str = "bf16", kv_lora_rank: int = 512) -> CaseResult:
+    """Compare a kernel result with the reference for problem ``p`` (tolerances per dtype)."""
+    tol = TOLERANCE[dtype]
+    ref_out, ref_lse = mla_verify_reference(p.q, p.kv_cache, p.block_table, p.kv_lens, kv_lora_rank=kv_lora_rank,
+                                            **p.reference_args())
+    o = out.float()
+    problems = []
+    if not torch.isfinite(o).all():
+        problems.append(f"{int((~torch.isfinite(o)).sum())} non-finite outputs")
+    diff = (o - ref_out).abs().nan_to_num(float("inf"))
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    denom = float(ref_out.norm()) or 1.0
+    rel_l2 = float((o - ref_out).nan_to_num(float("inf")).norm()) / denom
+    if max_abs > tol["out_atol"]:
+        problems.append(f"max |out - ref| {max_abs:.3g} > {tol['out_atol']}")
+    if rel_l2 > tol["out_rel_l2"]:
+        problems.append(f"rel L2 {rel_l2:.3g} > {tol['out_rel_l2']}")
+    if torch.isnan(lse).any():
+        problems.append("NaN in lse")
+    fin = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isfinite(lse), fin) or not torch.equal(lse[~fin], ref_lse[~fin]):
+        problems.append("lse -inf pattern differs from reference")
+    lse_err = float((lse[fin] - ref_lse[fin]).abs().max()) if fin.any() else 0.0
+    lse_bound = tol["lse_atol"] + tol["lse_rtol"] * (float(ref_lse[fin].abs().max()) if fin.any() else 0.0)
+    if lse_err > lse_bound:
+        problems.append(f"max |lse - ref| {lse_err:.3g} > {lse_bound:.3g}")
+    return CaseResult(p.name, not problems, max_abs, rel_l2, lse_err, "; ".join(problems))
+
+
+def run_case(kernel: VerifyKernel, p: Problem) -> CaseResult:
+    """Launch ``kernel`` on ``p`` with NaN-poisoned out / lse / workspace and compare."""
+    v = kernel.variant
+    out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device=p.q.device)
+    lse = torch.full((p.q.shape[0], v.heads), float("nan"), dtype=torch.float32, device=p.q.device)
+    ws = kernel.alloc_workspace(p.batch_size, p.q.device).fill_(float("nan"))
+    kernel(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+    torch.cuda.synchronize()
+    return compare(p, out, lse, v.dtype, v.kv_lora_rank)
+
+
+def verify_kernel(kernel: VerifyKernel, *, quick: bool = False, big_pool: bool = True) -> list[CaseResult]:
+    """Run the whole case set; frees each problem before the next (the >4 GiB pool is large)."""
+    results = []
+    for p in verify_cases(kernel.variant, quick=quick, big_pool=big_pool):
+        results.append(run_case(kernel, p))
+        del p
+        torch.cuda.empty_cache()
+    return results
+
+
+def summarize(results: list[CaseResult]) -> dict:
+    return dict(cases=len(results), passed=sum(r.passed for r in results),
+                max_abs_err=max((r.max_abs_err for r in results), default=math.nan),
+                max_lse_err=max((r.lse_max_err for r in results), default=math.nan))
