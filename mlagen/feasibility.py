@@ -36,12 +36,13 @@ def resources(v: Variant) -> Resources:
     smem_s = v.num_warps * v.rows_per_cta * v.block_n * 4
     smem_p = v.rows_per_cta * (v.block_n + 8) * 2
     smem_stats = 3 * v.rows_per_cta * 4
+    smem_slots = v.stages * v.block_n * 8
     k_steps = dim_qk // 16
     ks_per_warp = -(-k_steps // v.num_warps)
     regs_q = v.row_tiles * ks_per_warp * 4
     regs_s = v.row_tiles * (v.block_n // 8) * 4
     regs_o = v.row_tiles * (dim_v // v.num_warps // 8) * 4
-    return Resources(smem_kv + smem_s + smem_p + smem_stats, regs_q, regs_s, regs_o)
+    return Resources(smem_kv + smem_s + smem_p + smem_stats + smem_slots, regs_q, regs_s, regs_o)
 
 
 def infeasible_reason(v: Variant) -> str | None:

@@ -13,9 +13,8 @@ import torch
 
 from mlagen.spec import Variant
 
-# nsplit "auto": aim for this many CTAs per SM over the whole batch, and at least this many KV
-# tokens per split (shorter splits cost more in combine traffic than they win in parallelism).
-AUTO_CTAS_PER_SM = 2
+# nsplit "auto": one full wave of partial CTAs (occupancy x SMs) over the whole batch, and at least
+# this many KV tokens per split (shorter splits cost more in combine traffic than they win).
 AUTO_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
 
@@ -51,8 +50,9 @@ class VerifyKernel:
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
 
-        Fixed variants return their nsplit. ``auto``: ceil(AUTO_CTAS_PER_SM * SMs / (bs * row_blocks)),
-        clamped to [1, 256]; each request then spreads its tiles over those splits on the device.
+        Fixed variants return their nsplit. ``auto``: floor(occupancy * SMs / (bs * row_blocks)), one
+        wave of partial CTAs, clamped to [1, 256]; each request then spreads its tiles over those
+        splits on the device (at least AUTO_MIN_TOKENS_PER_SPLIT tokens per non-empty split).
         """
         v = self.variant
         if v.nsplit != "auto":
@@ -60,8 +60,9 @@ class VerifyKernel:
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
-            self._sm[idx] = _sm_count(dev)
-        n = math.ceil(AUTO_CTAS_PER_SM * self._sm[idx] / (max(1, batch_size) * v.row_blocks))
+            with torch.cuda.device(idx):
+                self._sm[idx] = _sm_count(dev) * max(1, self.module.max_active_ctas_per_sm())
+        n = self._sm[idx] // (max(1, batch_size) * v.row_blocks)
         return max(1, min(MAX_SPLITS, n))
 
     def min_tiles_per_split(self) -> int:

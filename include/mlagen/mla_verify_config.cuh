@@ -60,7 +60,8 @@ struct MlaVerifyConfig {
   static constexpr int kSmemS = kWarps * kRowsPerCta * kBlockN * 4;
   static constexpr int kSmemP = kRowsPerCta * kPRowElems * 2;
   static constexpr int kSmemStats = 3 * kRowsPerCta * 4;
-  static constexpr int kSmemBytes = kSmemKv + kSmemS + kSmemP + kSmemStats;
+  static constexpr int kSmemSlots = kStages * kBlockN * 8;  // int64 cache-slot ring, one row per stage
+  static constexpr int kSmemBytes = kSmemKv + kSmemS + kSmemP + kSmemStats + kSmemSlots;
 
   // Registers held per thread across the main loop (estimate, fp32/bf16x2 words).
   static constexpr int kRegsQ = kRowTiles * kKStepsPerWarp * 4;
@@ -79,6 +80,7 @@ struct MlaVerifyConfig {
   static_assert(kDimVPerWarp % 16 == 0, "kv_lora_rank / num_warps must be a multiple of 16");
   static_assert(kColsPerLane >= 1 && kBlockN % kSoftmaxLanes == 0, "block_n must divide by 8");
   static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(kBlockN <= kThreads, "one thread per token gathers the page table");
   static_assert(kRowTiles >= 1 && kRowTiles <= 8, "row_tiles must be in [1, 8]");
   static_assert(kSmemBytes <= kSmemLimitSm120, "shared memory exceeds sm_120's 101,376 B per block");
   static_assert(kRegsQ + kRegsS + kRegsO <= 200, "register tiles would spill");

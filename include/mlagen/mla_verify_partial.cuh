@@ -58,6 +58,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   float* m_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemS + Cfg::kSmemP);
   float* l_smem = m_smem + Cfg::kRowsPerCta;
   float* alpha_smem = l_smem + Cfg::kRowsPerCta;
+  // Cache slot of each token of the tiles in flight: slot_smem[(tile - tile_begin) % kStages][n], -1 past kv_len.
+  int64_t* slot_smem = reinterpret_cast<int64_t*>(alpha_smem + Cfg::kRowsPerCta);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -93,28 +95,39 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   }
   const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
 
-  // ---- KV tile loader: kBlockN tokens x 576 dims, one cp.async of kLoadBytes per chunk.
-  auto load_kv_tile = [&](int tile, int stage) {
-    __nv_bfloat16* dst_stage = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
+  // ---- page-table gather: thread n < kBlockN owns token n of a tile. Its global load is issued
+  // one iteration before the slot is needed, so the dependent load stays off the critical path.
+  auto slot_of = [&](int tile) -> int64_t {
+    const int pos = tile * Cfg::kBlockN + tid;
+    if (tid >= Cfg::kBlockN || pos >= kv_len) return -1;
+    const int64_t page = page_row[pos / Cfg::kPageSize];
+    return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+  };
+  auto ring = [&](int tile) { return slot_smem + ((tile - tile_begin) % Cfg::kStages) * Cfg::kBlockN; };
+
+  // ---- KV tile loader: kBlockN tokens x 576 dims, one cp.async of kLoadBytes per chunk;
+  // tokens past kv_len are zero-filled without a read.
+  auto load_kv_tile = [&](int tile) {
+    __nv_bfloat16* dst_stage = kv_smem + ((tile - tile_begin) % Cfg::kStages) * (Cfg::kBlockN * Cfg::kKvRowElems);
+    const int64_t* slots = ring(tile);
+#pragma unroll 4
     for (int c = tid; c < Cfg::kBlockN * Cfg::kChunksPerRow; c += Cfg::kThreads) {
       const int n = c / Cfg::kChunksPerRow;
       const int chunk = c % Cfg::kChunksPerRow;
-      const int pos = tile * Cfg::kBlockN + n;
-      const bool valid = pos < kv_len;
-      const __nv_bfloat16* src = p.kv;
-      if (valid) {
-        const int64_t page = page_row[pos / Cfg::kPageSize];
-        const int64_t slot = page * Cfg::kPageSize + pos % Cfg::kPageSize;
-        src = p.kv + slot * p.kv_stride_slot + chunk * Cfg::kLoadElems;
-      }
-      ptx::cp_async_zfill<Cfg::kLoadBytes>(dst_stage + n * Cfg::kKvRowElems + chunk * Cfg::kLoadElems, src, valid);
+      const int64_t slot = slots[n];
+      const __nv_bfloat16* src = slot >= 0 ? p.kv + slot * p.kv_stride_slot + chunk * Cfg::kLoadElems : p.kv;
+      ptx::cp_async_zfill<Cfg::kLoadBytes>(dst_stage + n * Cfg::kKvRowElems + chunk * Cfg::kLoadElems, src, slot >= 0);
     }
   };
 
-  // Issue the pipeline prologue first so the Q load below overlaps with it.
+  // Prologue: slots of the first kStages tiles, then the first kStages - 1 tiles in flight.
+  for (int st = 0; st < Cfg::kStages; ++st) {
+    if (tid < Cfg::kBlockN) ring(tile_begin + st)[tid] = tile_begin + st < tile_end ? slot_of(tile_begin + st) : -1;
+  }
+  __syncthreads();
 #pragma unroll
   for (int st = 0; st < Cfg::kStages - 1; ++st) {
-    if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st, st);
+    if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st);
     ptx::cp_async_commit();
   }
 
@@ -164,9 +177,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     __syncthreads();
     {  // refill the stage consumed in the previous iteration
       const int next = tile + Cfg::kStages - 1;
-      if (next < tile_end) load_kv_tile(next, (next - tile_begin) % Cfg::kStages);
+      if (next < tile_end) load_kv_tile(next);
       ptx::cp_async_commit();
     }
+    // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
+    const int ahead = tile + Cfg::kStages;
+    const int64_t ahead_slot = ahead < tile_end ? slot_of(ahead) : -1;
     const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
 
     // ---- partial scores over this warp's k slice: s_frag[row tile][n8 tile][4]
@@ -304,6 +320,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
+    if (tid < Cfg::kBlockN) ring(ahead)[tid] = ahead_slot;
   }
   ptx::cp_async_wait<0>();
   __syncthreads();

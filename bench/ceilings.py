@@ -1,0 +1,208 @@
+"""Hardware ceilings and the byte/FLOP floor of the MLA verify problem.
+
+Pure-python part (no torch needed, unit-tested on CPU):
+
+    verify_bytes(H, q_len, bs, ctx)  bytes   KV read once + q read + out written
+        = bs*ctx*576*2 + bs*q_len*H*576*2 + bs*q_len*H*512*2
+    verify_flops(H, q_len, bs, ctx)  FLOP    QK^T (576) + PV (512) over all kv
+        = 2 * rows * ctx * (576 + 512),  rows = bs*q_len*H
+    floor_us(bytes, flops, copy_gbs, mma_tflops)  µs
+        = max(bytes / copy_bw, flops / mma_rate)
+
+ctx is the kv length INCLUDING the q_len draft tokens.  verify_flops counts every
+(row, kv) pair, i.e. it ignores the few masked-out draft columns (< q_len/ctx).
+
+Measured on the GPU (need torch + CUDA; mma also needs nvcc + pybind11):
+
+    copy_bandwidth_gbs(device, nbytes=2<<30)  GB/s (1e9), read+write bytes counted
+    mma_sync_tflops()                          TFLOP/s (1e12) of mma.sync m16n8k16 bf16
+                                               (bench/mma_probe.cu; ~630-640 on H200)
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+D_QK = 576
+D_V = 512
+BF16 = 2
+FLOP_PER_MMA = 2 * 16 * 8 * 16  # mma.sync m16n8k16
+
+
+# ---------------------------------------------------------------------------
+# floors (pure python)
+# ---------------------------------------------------------------------------
+
+def verify_bytes(H: int, q_len: int, bs: int, ctx: int) -> int:
+    """Minimum HBM bytes of one verify call: the latent KV of every request read
+    once (ctx*576 bf16), q read (q_len*H*576 bf16), out written (q_len*H*512 bf16)."""
+    return bs * ctx * D_QK * BF16 + bs * q_len * H * D_QK * BF16 + bs * q_len * H * D_V * BF16
+
+
+def verify_flops(H: int, q_len: int, bs: int, ctx: int) -> int:
+    """FLOP of one verify call: 2*rows*ctx*(576+512), rows = bs*q_len*H."""
+    rows = bs * q_len * H
+    return 2 * rows * ctx * (D_QK + D_V)
+
+
+def floor_us(nbytes: float, flops: float, copy_gbs: float, mma_tflops: float) -> float:
+    """Roofline floor in µs: max(bytes / (copy_gbs*1e9), flops / (mma_tflops*1e12))."""
+    if copy_gbs <= 0 or mma_tflops <= 0:
+        raise ValueError("ceilings must be positive")
+    return max(nbytes / (copy_gbs * 1e9), flops / (mma_tflops * 1e12)) * 1e6
+
+
+def verify_floor_us(H: int, q_len: int, bs: int, ctx: int,
+                    copy_gbs: float, mma_tflops: float) -> float:
+    """floor_us(verify_bytes(...), verify_flops(...), copy_gbs, mma_tflops)."""
+    return floor_us(verify_bytes(H, q_len, bs, ctx), verify_flops(H, q_len, bs, ctx),
+                    copy_gbs, mma_tflops)
+
+
+# ---------------------------------------------------------------------------
+# copy bandwidth
+# ---------------------------------------------------------------------------
+
+def copy_bandwidth_gbs(device=None, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read AND
+    written (2*nbytes per copy): median of `reps` copies timed with CUDA events,
+    after 3 warm-up copies.  Raises RuntimeError without torch/CUDA."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"torch not importable: {e}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU visible to torch")
+    device = torch.device(device if device is not None else "cuda")
+    n = int(nbytes) // 16 * 16
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    src.random_(0, 256)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(reps)]
+    for a, b in evs:
+        a.record()
+        dst.copy_(src)
+        b.record()
+    torch.cuda.synchronize(device)
+    ms = statistics.median(a.elapsed_time(b) for a, b in evs)
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------------------
+# mma.sync rate
+# ---------------------------------------------------------------------------
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ext = None
+
+
+def nvcc_command(src: str, out: str, arch: tuple[int, int] | None = None) -> list[str]:
+    """nvcc command line that builds mma_probe.cu into the extension `out`.
+    arch=(9, 0) -> -gencode arch=compute_90,code=sm_90."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    import pybind11  # noqa: F401 - raise early if missing
+    inc = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
+                         capture_output=True, text=True).stdout.split()
+    cmd = [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", *inc]
+    if arch is not None:
+        a = f"{arch[0]}{arch[1]}"
+        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    return cmd + [src, "-o", out]
+
+
+def build_mma_probe(arch: tuple[int, int] | None = None, build_dir: str | None = None):
+    """Compile bench/mma_probe.cu into a temp dir and import it (module
+    mma_probe_ext).  arch defaults to the current GPU's compute capability."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    if arch is None:
+        import torch
+        arch = torch.cuda.get_device_capability()
+    build_dir = build_dir or tempfile.mkdtemp(prefix="mma_probe_")
+    out = os.path.join(build_dir, "mma_probe_ext" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cmd = nvcc_command(os.path.join(_HERE, "mma_probe.cu"), out, arch)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}\n{r.stderr}")
+    loader = importlib.machinery.ExtensionFileLoader("mma_probe_ext", out)
+    spec = importlib.util.spec_from_file_location("mma_probe_ext", out, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    _ext = mod
+    return mod
+
+
+def mma_sync_tflops(iters: int = 16384, threads: int = 256, ctas_per_sm: int = 4,
+                    reps: int = 7) -> float:
+    """Sustained TFLOP/s (1e12) of mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32:
+    (threads/32) warps per CTA, ctas_per_sm * SMs CTAs, each warp iters*NACC mmas
+    on random bf16 fragments loaded from global.  Median of `reps` launches
+    timed with CUDA events after 2 warm-ups.  Raises RuntimeError on failure."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"torch not importable: {e}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU visible to torch")
+    ext = build_mma_probe()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    blocks = sms * ctas_per_sm
+    words = 1 << 16
+    inp = torch.randn(2 * words, device=dev).to(torch.bfloat16).view(torch.int32)
+    out = torch.empty(blocks * threads, dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream()
+    sp = stream.cuda_stream
+
+    def launch():
+        ext.launch(inp.data_ptr(), words, out.data_ptr(), blocks, threads, iters, sp)
+
+    for _ in range(2):
+        launch()
+    ext.sync(sp)
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(reps)]
+    for a, b in evs:
+        a.record(stream)
+        launch()
+        b.record(stream)
+    ext.sync(sp)
+    ms = statistics.median(a.elapsed_time(b) for a, b in evs)
+    if not torch.isfinite(out).all():
+        raise RuntimeError("mma_probe produced non-finite results")
+    flop = blocks * (threads // 32) * iters * ext.NACC * ext.FLOP_PER_MMA
+    return flop / (ms * 1e-3) / 1e12
+
+
+def measure_ceilings(device=None) -> dict:
+    """{'copy_gbs': float|None, 'mma_tflops': float|None, 'errors': {...}}; never raises."""
+    res, errs = {"copy_gbs": None, "mma_tflops": None}, {}
+    try:
+        res["copy_gbs"] = copy_bandwidth_gbs(device)
+    except Exception as e:  # noqa: BLE001
+        errs["copy_gbs"] = f"{type(e).__name__}: {e}"
+    try:
+        res["mma_tflops"] = mma_sync_tflops()
+    except Exception as e:  # noqa: BLE001
+        errs["mma_tflops"] = f"{type(e).__name__}: {e}"
+    res["errors"] = errs
+    return res
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(measure_ceilings(), indent=1))

@@ -1,0 +1,401 @@
+"""The ``mlagen`` attention backend for SGLang (MLA models, absorbed path).
+
+TARGET_VERIFY runs the installed mlagen verify kernel; DECODE (no speculative info) runs the
+installed q_len=1 variant when there is one; every other mode (prefill, extend, draft extend,
+idle, and decode without a decode variant) goes to a private ``TritonAttnBackend`` built from the
+same model runner, so the server is complete.
+
+Shapes in the verify path (T = bs * q_len tokens, H = heads per rank):
+    q  [T, H, 576] bf16 = absorbed q_nope (512) + q_pe (64), as DeepSeek's MLA code passes it to
+       RadixAttention for backends outside FORWARD_ABSORB_CORE_ATTENTION_BACKENDS;
+    k  [T, 1, 576], v [T, 1, 512] (written to the MLA KV pool at out_cache_loc first);
+    KV pool rows [num_slots, 1, 576] bf16, V = the first 512 dims;
+    out [T, H * 512] bf16.
+SGLang's verify seq_lens exclude the draft tokens, whose slots sit at req_to_token positions
+seq_len .. seq_len + q_len - 1 (see EagleVerifyInput.generate_attn_arg_prefill), so the kernel's
+kv_lens = seq_lens + q_len.
+
+CUDA graphs (SGLang >= 0.5.20 API): ``init_cuda_graph_state`` allocates every buffer for the
+largest captured batch; ``init_forward_metadata_out_graph`` (run eagerly before capture and
+before every replay) refills kv_lens / block table / tree bitmasks in place, zeroing the
+``num_padding`` padded rows' kv_len so they output 0. The captured kernels only read these
+private buffers, never req_to_token or the scheduler's seq_lens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+
+from mlagen.sglang_plugin import metadata as md
+from mlagen.sglang_plugin.checks import MlagenSetupError, ServerFacts, run_startup_checks
+from mlagen.sglang_plugin.installed import read_installed
+
+logger = logging.getLogger(__name__)
+
+try:  # SGLang is an optional dependency of mlagen; the factory below requires it.
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as _Base
+except Exception:  # pragma: no cover - exercised only without a working SGLang
+    _Base = object
+
+BACKEND_NAME = "mlagen"
+
+
+@dataclasses.dataclass
+class MlagenMetadata:
+    """Per-forward inputs of the mlagen kernel (tensors may be views of graph buffers)."""
+
+    kind: str  # "verify" | "decode"
+    kernel: Any  # mlagen.ops.VerifyKernel
+    q_len: int
+    kv_lens: torch.Tensor  # int32 [bs]
+    block_table: torch.Tensor  # int32 [bs, >= pages]
+    tree_mask: Optional[torch.Tensor]  # int64 [bs, q_len] or None
+    workspace: torch.Tensor  # fp32 1-D
+
+
+class MlagenAttnBackend(_Base):
+    """See the module docstring. Attributes not defined here resolve on the Triton fallback."""
+
+    needs_cpu_seq_lens = False  # never reads seq_lens_cpu / seq_lens_sum (same as Triton)
+    extend_dummy_seqs_capped_by_req_pool = True  # extend runs on Triton's req-pool sized buffers
+
+    def __init__(self, model_runner, verify_kernel=None, decode_kernel=None, fallback=None):
+        """
+        Args:
+            model_runner: SGLang ModelRunner (or a stand-in with req_to_token_pool,
+                token_to_kv_pool, page_size, device, model_config.context_len, kv_index_translator).
+            verify_kernel / decode_kernel: loaded mlagen kernels (``mlagen.ops.VerifyKernel``) or None.
+            fallback: the backend for every other mode (default: ``TritonAttnBackend(model_runner)``).
+        """
+        super().__init__()
+        if fallback is None:
+            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+            fallback = TritonAttnBackend(model_runner)
+        self.fallback = fallback
+        self.verify_kernel = verify_kernel
+        self.decode_kernel = decode_kernel
+        self.device = torch.device(model_runner.device)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
+        self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        self.max_context_len = model_runner.model_config.context_len
+        self.verify_q_len = int(getattr(fallback, "target_verify_num_tokens_per_req", 0) or 0)
+        if verify_kernel is not None:
+            self.verify_q_len = self.verify_q_len or int(verify_kernel.variant.q_len)
+        width = self.req_to_token.shape[1]
+        self._cols = md.page_columns(width, self.page_size, self.device)
+        self._causal = {}
+        self._eager_ws = {}
+        self._graph = None
+        self._graph_dims = None
+        self._fallback_graph_ready = False
+        self._verify_mask = None
+        self.forward_metadata: Optional[MlagenMetadata] = None
+
+    # ---------------------------------------------------------------- helpers
+    def __getattr__(self, name):
+        # Only called for attributes missing on self: delegate Triton-specific ones
+        # (extend_attention_block_m, num_draft_tokens, ...) to the fallback.
+        fb = self.__dict__.get("fallback")
+        if fb is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(fb, name)
+
+    def _kind(self, forward_batch) -> Optional[str]:
+        mode = forward_batch.forward_mode
+        if self.verify_kernel is not None and mode.is_target_verify():
+            return "verify"
+        if (self.decode_kernel is not None and mode.is_decode()
+                and getattr(forward_batch, "spec_info", None) is None):
+            return "decode"
+        return None
+
+    def _q_len(self, kind: str, spec_info) -> int:
+        if kind == "decode":
+            return 1
+        n = getattr(spec_info, "num_tokens_per_req", -1) if spec_info is not None else -1
+        return int(n) if n and n > 0 else self.verify_q_len
+
+    def _causal_bits(self, q_len: int) -> torch.Tensor:
+        if q_len not in self._causal:
+            self._causal[q_len] = md.causal_bits(q_len, self.device)
+        return self._causal[q_len]
+
+    def _eager_workspace(self, kernel, bs: int) -> torch.Tensor:
+        key = id(kernel)
+        ws = self._eager_ws.get(key)
+        need = kernel.workspace_numel(bs, self.device)
+        if ws is None or ws.numel() < need:
+            ws = kernel.alloc_workspace(bs, self.device)
+            self._eager_ws[key] = ws
+        return ws
+
+    def _num_pages(self, forward_batch, bs: int, extra: int, graph: bool, in_capture: bool) -> int:
+        """Block-table columns to refresh: from the host max seq len when SGLang provides it
+        (``max_seq_len_host``), else (eager) a device max, else (graph) the whole table."""
+        width = self.req_to_token.shape[1]
+        m = None if in_capture else getattr(forward_batch, "max_seq_len_host", None)
+        if m is not None:
+            tokens = int(m) + extra + self.page_size
+        elif not graph and bs > 0:
+            tokens = int(forward_batch.seq_lens[:bs].max()) + extra  # eager: a sync is acceptable
+        else:
+            tokens = width
+        tokens = max(1, min(width, tokens))
+        return -(-tokens // self.page_size)
+
+    def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False) -> MlagenMetadata:
+        kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
+        spec_info = getattr(forward_batch, "spec_info", None)
+        q_len = self._q_len(kind, spec_info)
+        rpi = forward_batch.req_pool_indices
+        bs = int(rpi.shape[0])
+        seq_lens = forward_batch.seq_lens[:bs]
+        npad = int(getattr(forward_batch, "num_padding", 0) or 0)
+        real = bs - npad
+        extra = q_len if kind == "verify" else 0
+        npages = self._num_pages(forward_batch, bs, extra, graph, in_capture)
+        if graph:
+            g = self._graph
+            if bs > g["kv_lens"].shape[0]:
+                raise RuntimeError(f"mlagen: graph batch {bs} exceeds the captured max {g['kv_lens'].shape[0]}")
+            kv_lens, table = g["kv_lens"], g["block_table"]
+            ws = g["ws_verify"] if kind == "verify" else g["ws_decode"]
+        else:
+            kv_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
+            table = torch.empty(bs, npages, dtype=torch.int32, device=self.device)
+            ws = self._eager_workspace(kernel, bs)
+        md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
+        md.fill_block_table(table, self.req_to_token, rpi, self._cols[:npages], self.page_size)
+
+        tree = None
+        if kernel.variant.mask == "tree":
+            tree = (g["tree"][:bs, :q_len] if graph
+                    else torch.empty(bs, q_len, dtype=torch.int64, device=self.device))
+            custom = getattr(spec_info, "custom_mask", None) if kind == "verify" else None
+            if kind == "decode" or custom is None or in_capture:
+                # Decode (q_len 1) / no custom mask (SGLang then runs the drafts causally) / capture.
+                tree.copy_(self._causal_bits(q_len).expand(bs, q_len))
+            else:
+                if real > 0:
+                    tree[:real].copy_(md.pack_full_mask(custom, seq_lens[:real], q_len))
+                if npad > 0:
+                    tree[real:bs].zero_()
+        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens[:bs],
+                              block_table=table[:bs], tree_mask=tree, workspace=ws)
+
+    # ---------------------------------------------------------------- metadata API
+    def init_forward_metadata(self, forward_batch):
+        """Eager metadata (no CUDA graph): fresh tensors, or the Triton fallback's metadata."""
+        kind = self._kind(forward_batch)
+        if kind is None:
+            self.forward_metadata = None
+            self.fallback.init_forward_metadata(forward_batch)
+            return
+        self.forward_metadata = self._prepare(forward_batch, kind, graph=False)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, **kwargs):
+        """Allocate the static buffers for batches up to ``max_bs`` requests."""
+        width = self.req_to_token.shape[1]
+        pages = -(-width // self.page_size)
+        qmax = max(self.verify_q_len, 1)
+        dev = self.device
+        g = {
+            "kv_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros(max_bs, pages, dtype=torch.int32, device=dev),
+            "tree": torch.zeros(max_bs, qmax, dtype=torch.int64, device=dev),
+            "ws_verify": None,
+            "ws_decode": None,
+        }
+        if self.verify_kernel is not None:
+            g["ws_verify"] = self.verify_kernel.alloc_workspace(max_bs, dev)
+            from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
+
+            # Same FULL_MASK layout (uint8) the Triton backend reads; the draft stage fills it in place.
+            self._verify_mask = maybe_create_verify_mask(
+                is_draft_runner=False, skip_prefill=False, max_bs=max_bs,
+                max_context_len=self.max_context_len, num_draft_tokens=self.verify_q_len,
+                device=dev, is_read=True, dtype=torch.uint8)
+        if self.decode_kernel is not None:
+            g["ws_decode"] = self.decode_kernel.alloc_workspace(max_bs, dev)
+        self._graph = g
+        self._graph_dims = (max_bs, max_num_tokens, kwargs)
+        self._fallback_graph_ready = False
+
+    def _ensure_fallback_graph_state(self):
+        if not self._fallback_graph_ready and self._graph_dims is not None:
+            max_bs, max_num_tokens, kwargs = self._graph_dims
+            self.fallback.init_cuda_graph_state(max_bs, max_num_tokens, **kwargs)
+            self._fallback_graph_ready = True
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Refill the graph buffers (runs eagerly before capture and before every replay)."""
+        kind = self._kind(forward_batch)
+        if kind is None:
+            self.forward_metadata = None
+            self._ensure_fallback_graph_state()
+            self.fallback.init_forward_metadata_out_graph(forward_batch, in_capture)
+            return
+        self.forward_metadata = self._prepare(forward_batch, kind, graph=True, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        if self._kind(forward_batch) is None:
+            self.fallback.init_forward_metadata_in_graph(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.fallback.get_cuda_graph_seq_len_fill_value()
+
+    @property
+    def verify_mask(self):
+        return self._verify_mask if self.verify_kernel is not None else self.fallback.verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        pass
+
+    def on_after_cuda_graph_warmup(self):
+        self.fallback.on_after_cuda_graph_warmup()
+
+    # ---------------------------------------------------------------- forward
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs) -> torch.Tensor:
+        meta = self.forward_metadata
+        unsupported = [n for n, x in kwargs.items() if x is not None]
+        if unsupported:
+            raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise NotImplementedError("mlagen backend: logit capping is not supported")
+        if getattr(layer, "k_scale", None) is not None:
+            raise MlagenSetupError("mlagen backend: scaled (fp8) KV cache layers are not supported")
+        if save_kv_cache and k is not None:
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        H, D, DV = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        qv = q.reshape(-1, H, D)
+        if qv.stride(-1) != 1:
+            qv = qv.contiguous()
+        out = q.new_empty((qv.shape[0], H, DV))
+        meta.kernel(qv, self.token_to_kv_pool.get_key_buffer(layer.layer_id), meta.block_table,
+                    meta.kv_lens, q_len=meta.q_len, softmax_scale=float(layer.scaling),
+                    tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
+        return out.view(-1, H * DV)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        meta = self.forward_metadata
+        if meta is not None and meta.kind == "verify" and forward_batch.forward_mode.is_target_verify():
+            return self._run(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        return self.fallback.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        meta = self.forward_metadata
+        if meta is not None and meta.kind == "decode" and forward_batch.forward_mode.is_decode():
+            return self._run(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        return self.fallback.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+# -------------------------------------------------------------------- factory
+def _sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        import sglang
+
+        return getattr(sglang, "__version__", "0")
+
+
+def _device_arch() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return {9: "sm_90", 12: "sm_120"}.get(major, f"sm_{major}{minor}")
+
+
+def gather_facts(runner) -> ServerFacts:
+    """Read a SGLang ModelRunner (and the published runtime context) into :class:`ServerFacts`."""
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.runtime_context import get_parallel, get_spec
+
+    mc = runner.model_config
+    hf = mc.hf_config
+    text = getattr(mc, "hf_text_config", None) or hf
+    spec, par = get_spec(), get_parallel()
+    algo = spec.speculative_algorithm
+    algo = None if algo in (None, "", "NONE", "none") else str(getattr(algo, "name", algo))
+    heads = mc.get_max_num_attention_heads() if hasattr(mc, "get_max_num_attention_heads") else text.num_attention_heads
+    translator = getattr(runner, "kv_index_translator", None)
+    return ServerFacts(
+        sglang_version=_sglang_version(),
+        architectures=tuple(getattr(hf, "architectures", None) or ()),
+        is_mla=mc.attention_arch == AttentionArch.MLA and bool(getattr(runner, "use_mla_backend", True)),
+        kv_lora_rank=getattr(mc, "kv_lora_rank", None),
+        qk_rope_head_dim=getattr(mc, "qk_rope_head_dim", None),
+        num_attention_heads=int(heads),
+        attn_tp_size=int(par.attn_tp_size),
+        page_size=int(getattr(runner, "page_size", 1) or 1),
+        kv_cache_dtype=str(runner.kv_cache_dtype).replace("torch.", ""),
+        spec_algorithm=algo,
+        num_draft_tokens=spec.speculative_num_draft_tokens,
+        eagle_topk=spec.speculative_eagle_topk,
+        draft_attention_backend=spec.speculative_draft_attention_backend,
+        prefill_attention_backend=getattr(runner, "prefill_attention_backend_str", BACKEND_NAME),
+        decode_attention_backend=getattr(runner, "decode_attention_backend_str", BACKEND_NAME),
+        is_draft_worker=bool(getattr(runner, "is_draft_worker", False)),
+        uses_sparse_attention=getattr(text, "index_topk", None) is not None,
+        dcp_size=int(getattr(par, "attn_dcp_size", 1) or 1),
+        kv_pool_translating=bool(getattr(translator, "is_translating", False)),
+        device_arch=_device_arch(),
+    )
+
+
+def load_entry(entry: dict):
+    """Load the kernel of an installed entry and check it is the variant the entry describes."""
+    from mlagen.ops import load_so
+
+    k = load_so(entry["uri"], entry["so_path"])
+    v = k.variant
+    for field in ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim", "mask"):
+        if getattr(v, field) != entry[field]:
+            raise MlagenSetupError(
+                f"mlagen: installed entry {entry['uri']} says {field}={entry[field]!r} but its kernel has "
+                f"{getattr(v, field)!r}; run `mlagen uninstall` and install again."
+            )
+    return k
+
+
+def _register_model_dispatch() -> None:
+    """Tell DeepSeek's MLA dispatcher to treat ``mlagen`` like ``triton`` (absorbed MLA for decode
+    and verify, MHA for fresh prefill). SGLang already falls back to the triton handler for
+    unknown names; registering makes it explicit."""
+    try:
+        from sglang.srt.models.deepseek_common.attention_backend_handler import (
+            AttentionBackendRegistry,
+            handle_attention_triton,
+        )
+    except Exception:  # pragma: no cover - depends on the SGLang build
+        return
+    AttentionBackendRegistry.register(BACKEND_NAME, handle_attention_triton)
+
+
+def create_mlagen_backend(runner):
+    """SGLang attention-backend factory for ``--attention-backend mlagen``.
+
+    Raises:
+        MlagenSetupError: unsupported SGLang / model / server flags, or no matching installed variant.
+    """
+    facts = gather_facts(runner)
+    selection = run_startup_checks(facts, read_installed())
+    for note in selection.notes:
+        logger.info("mlagen: %s", note)
+    verify = load_entry(selection.verify) if selection.verify else None
+    decode = load_entry(selection.decode) if selection.decode else None
+    _register_model_dispatch()
+    logger.info("mlagen: verify=%s decode=%s", selection.verify and selection.verify["uri"],
+                selection.decode and selection.decode["uri"])
+    return MlagenAttnBackend(runner, verify_kernel=verify, decode_kernel=decode)

@@ -1,0 +1,294 @@
+"""CPU-only tests of bench/: floor formulas, problem construction, SGLang argument
+layout (checked against a torch emulation of what SGLang's Triton kernels read),
+and that everything degrades to "skipped: <reason>" without GPU/sglang."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+
+import ceilings  # noqa: E402
+import sglang_baselines as sb  # noqa: E402
+
+
+# --------------------------------------------------------------------------- floors
+
+def test_verify_bytes_formula():
+    H, q_len, bs, ctx = 128, 4, 8, 4096
+    kv = bs * ctx * 576 * 2
+    q = bs * q_len * H * 576 * 2
+    out = bs * q_len * H * 512 * 2
+    assert ceilings.verify_bytes(H, q_len, bs, ctx) == kv + q + out
+    assert ceilings.verify_bytes(16, 1, 1, 1) == 1152 + 16 * 1152 + 16 * 1024
+
+
+def test_verify_flops_formula():
+    H, q_len, bs, ctx = 128, 4, 8, 4096
+    rows = bs * q_len * H
+    assert ceilings.verify_flops(H, q_len, bs, ctx) == 2 * rows * ctx * (576 + 512)
+    assert ceilings.verify_flops(1, 1, 1, 1) == 2176
+
+
+def test_floor_us_takes_the_larger_bound():
+    # 4.8e9 B at 4800 GB/s = 1 ms; 6.4e14 FLOP at 640 TFLOP/s = 1 s
+    assert ceilings.floor_us(4.8e9, 0, 4800, 640) == pytest.approx(1000.0)
+    assert ceilings.floor_us(0, 6.4e14, 4800, 640) == pytest.approx(1e6)
+    assert ceilings.floor_us(4.8e9, 6.4e14, 4800, 640) == pytest.approx(1e6)
+    b, f = 1e9, 1e12
+    t = ceilings.floor_us(b, f, 4000, 600)
+    assert t == pytest.approx(max(b / 4e12, f / 6e14) * 1e6)
+    with pytest.raises(ValueError):
+        ceilings.floor_us(1, 1, 0, 600)
+
+
+def test_verify_floor_compute_bound_at_many_rows():
+    # q_len*H = 512 rows/request -> ~480 FLOP/byte: mma-bound at these ceilings
+    H, q_len, bs, ctx = 128, 4, 32, 8192
+    b = ceilings.verify_bytes(H, q_len, bs, ctx)
+    f = ceilings.verify_flops(H, q_len, bs, ctx)
+    t = ceilings.verify_floor_us(H, q_len, bs, ctx, 4300, 635)
+    assert t == pytest.approx(max(b / 4.3e12, f / 6.35e14) * 1e6)
+    assert t == pytest.approx(f / 6.35e14 * 1e6)
+
+
+def test_nvcc_command_targets_sm90():
+    pytest.importorskip("pybind11")
+    cmd = ceilings.nvcc_command("x.cu", "y.so", (9, 0))
+    s = " ".join(cmd)
+    assert "-gencode arch=compute_90,code=sm_90" in s
+    assert "-shared" in cmd and "-fPIC" in cmd and "-std=c++17" in cmd
+    assert any(a.startswith("-I") for a in cmd)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_mma_probe_compiles(tmp_path):
+    pytest.importorskip("pybind11")
+    out = str(tmp_path / "mma_probe_ext.so")
+    cmd = ceilings.nvcc_command(os.path.join(BENCH, "mma_probe.cu"), out, (9, 0))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert os.path.getsize(out) > 0
+
+
+def test_ceilings_raise_cleanly_without_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    with pytest.raises(RuntimeError):
+        ceilings.copy_bandwidth_gbs()
+    with pytest.raises(RuntimeError):
+        ceilings.mma_sync_tflops()
+    res = ceilings.measure_ceilings()
+    assert res["copy_gbs"] is None and res["mma_tflops"] is None
+    assert set(res["errors"]) == {"copy_gbs", "mma_tflops"}
+
+
+# --------------------------------------------------------------------------- import safety
+
+def test_modules_import_without_torch_side_effects():
+    code = ("import sys; sys.path.insert(0, %r); import sglang_baselines, ceilings; "
+            "print(any(m in sys.modules for m in ('torch', 'triton', 'sglang')))" % BENCH)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_sglang_available_never_raises_and_gives_reason(monkeypatch):
+    ok, why = sb.sglang_available()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        assert not ok and "torch" in why
+        return
+    if not torch.cuda.is_available():
+        assert not ok and "CUDA" in why
+    # a broken sglang import is reported, not raised
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sb, "_kernels", None)
+    monkeypatch.setattr(sb, "_import_error", None)
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    monkeypatch.setattr(sb, "_bare_import", lambda: (_ for _ in ()).throw(ImportError("nope")))
+    ok2, why2 = sb.sglang_available()
+    assert not ok2 and "sglang" in why2 and "nope" in why2
+
+
+def test_run_and_time_raise_unavailable_without_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    p = sb.make_problem(H=2, q_len=2, bs=1, ctx=8, device="cpu", seed=0)
+    for fn in (lambda: sb.run_extend_verify(p), lambda: sb.run_decode(p, 2),
+               lambda: sb.time_extend_verify(p), lambda: sb.time_decode_splitkv(p, 2)):
+        with pytest.raises(sb.SglangUnavailable):
+            fn()
+
+
+def test_import_report_lists_light_deps():
+    rep = sb.import_report()
+    for name in ("torch", "triton", "sglang", "orjson", "pydantic", "pyzmq", "ipython"):
+        assert name in rep
+        assert rep[name].startswith(("ok", "missing", "found"))
+
+
+# --------------------------------------------------------------------------- tree
+
+def test_random_tree_parents_are_earlier_nodes():
+    par = sb.random_tree_parents(16, 3, seed=1)
+    assert len(par) == 3
+    for row in par:
+        assert row[0] == -1
+        assert all(0 <= p < i for i, p in enumerate(row) if i > 0)
+
+
+def test_tree_mask_bits_ancestors_and_self():
+    bits = sb.tree_mask_bits([[-1, 0, 0, 1, 3]])[0]
+    assert bits == [0b1, 0b11, 0b101, 0b1011, 0b11011]
+    chain = sb.tree_mask_bits([[-1] + list(range(63))])[0]
+    assert chain[62] == (1 << 63) - 1
+    assert chain[63] == -1  # all 64 bits set, as signed int64
+
+
+# --------------------------------------------------------------------------- problem + args (torch, CPU)
+
+torch_cpu = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
+    reason="torch not installed")
+
+
+@torch_cpu
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_make_problem_layout(page_size):
+    import torch
+    H, q_len, bs, ctx = 4, 5, 3, 37
+    p = sb.make_problem(H, q_len, bs, ctx, page_size, device="cpu", seed=3)
+    assert p["q"].shape == (bs * q_len, H, 576) and p["q"].dtype == torch.bfloat16
+    assert p["kv_cache"].shape[1] == 576 and p["kv_cache"].dtype == torch.bfloat16
+    assert p["req_to_token"].shape == (bs, ctx) and p["req_to_token"].dtype == torch.int32
+    assert p["kv_lens"].tolist() == [ctx] * bs and p["kv_lens"].dtype == torch.int32
+    assert p["tree_mask"].shape == (bs, q_len) and p["tree_mask"].dtype == torch.int64
+    slots = p["req_to_token"].long()
+    assert slots.unique().numel() == bs * ctx
+    assert int(slots.min()) >= page_size  # page 0 unused
+    assert int(slots.max()) < p["kv_cache"].shape[0]
+    t = torch.arange(ctx)
+    assert torch.equal(slots % page_size, (t % page_size).expand(bs, ctx))
+    # tokens of one page share the page
+    pages = slots // page_size
+    for j in range(0, ctx - 1):
+        if (j + 1) % page_size:
+            assert torch.equal(pages[:, j], pages[:, j + 1])
+    # tree mask from parents
+    bits = sb.tree_mask_bits(p["parents"].tolist())
+    assert p["tree_mask"].tolist() == bits
+    with pytest.raises(ValueError):
+        sb.make_problem(H, 65, 1, 100, device="cpu")
+    with pytest.raises(ValueError):
+        sb.make_problem(H, 8, 1, 4, device="cpu")
+
+
+def _emulate_extend(args, kwargs, block_m=32):
+    """What SGLang's _fwd_kernel computes, written from its indexing: prefix
+    from k/v_buffer[kv_indices] (custom mask NOT applied to the prefix:
+    skip_prefix_custom_mask=True), draft columns from k/v_extend gated by
+    custom_mask[mask_indptr[b] + i*(prefix+ext) + prefix + j] and, being causal,
+    j < min(ext, (i//BLOCK_M + 1)*BLOCK_M)."""
+    import torch
+    (q, k_ext, v_ext, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, mask,
+     causal, mask_indptr, max_len, k_scale, v_scale) = args
+    assert kwargs.get("skip_prefix_custom_mask", True)
+    out = torch.zeros(o.shape, dtype=torch.float32)
+    sm = kwargs["sm_scale"]
+    for b in range(len(qo_indptr) - 1):
+        qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        ks, ke = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        prefix, ext = ke - ks, qe - qs
+        assert ext <= max_len
+        idx = kv_indices[ks:ke].long()
+        K = torch.cat([k_buf[idx, 0].float(), k_ext[qs:qe, 0].float()])
+        V = torch.cat([v_buf[idx, 0].float(), v_ext[qs:qe, 0].float()])
+        for i in range(ext):
+            base = int(mask_indptr[b]) + i * (prefix + ext)
+            vis = torch.zeros(prefix + ext, dtype=torch.bool)
+            vis[:prefix] = True
+            end = min(ext, (i // block_m + 1) * block_m) if causal else ext
+            vis[prefix:prefix + end] = mask[base + prefix: base + prefix + end].bool()
+            s = (q[qs + i].float() @ K.T) * sm * k_scale  # [H, prefix+ext]
+            s = s.masked_fill(~vis, float("-inf"))
+            out[qs + i] = torch.softmax(s, -1) @ V * v_scale
+    return out
+
+
+def _emulate_decode(args, kwargs):
+    """What decode_attention_fwd computes: every head row of request b attends to
+    all kv_indices[kv_indptr[b]:kv_indptr[b+1]] of the pool (no mask)."""
+    import torch
+    (q, k_buf, v_buf, o, kv_indptr, kv_indices, logits, lse, splits, max_splits,
+     sm, k_scale, v_scale) = args
+    assert kwargs["has_mla"] and logits.shape[2] == max_splits == int(splits.max())
+    assert logits.shape[:2] == q.shape[:2] and logits.shape[3] == 512
+    out = torch.zeros(o.shape, dtype=torch.float32)
+    for b in range(q.shape[0]):
+        idx = kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].long()
+        K, V = k_buf[idx, 0].float(), v_buf[idx, 0].float()
+        s = (q[b].float() @ K.T) * sm * k_scale
+        out[b] = torch.softmax(s, -1) @ V * v_scale
+    return out
+
+
+@torch_cpu
+@pytest.mark.parametrize("page_size,q_len", [(1, 4), (16, 7), (1, 40)])
+def test_extend_args_match_reference(page_size, q_len):
+    import torch
+    p = sb.make_problem(H=3, q_len=q_len, bs=2, ctx=q_len + 29, page_size=page_size,
+                        device="cpu", seed=5)
+    args, kwargs, o = sb._extend_args(p)
+    # exact dtypes / shapes SGLang uses
+    assert args[1].shape == (2 * q_len, 1, 576) and args[1].is_contiguous()
+    assert args[2].shape == (2 * q_len, 1, 512) and args[2].is_contiguous()
+    assert args[4].shape[1:] == (1, 576) and args[5].shape[1:] == (1, 512)
+    assert args[5].stride(0) == 576  # V is a view of the pool
+    assert args[6].dtype == torch.int32 and args[7].dtype == torch.int32
+    assert args[8].dtype == torch.int64 and args[9].dtype == torch.bool
+    assert args[11].dtype == torch.int64 and args[12] == q_len
+    assert kwargs["page_size"] == page_size
+    got = _emulate_extend(args, kwargs)
+    ref = sb.reference_verify(p)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    # the tree matters: without it the answer differs
+    assert not torch.allclose(ref, sb.reference_verify(p, ignore_tree=True), atol=1e-3)
+
+
+@torch_cpu
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_decode_args_match_untreed_reference(page_size):
+    import torch
+    p = sb.make_problem(H=2, q_len=3, bs=2, ctx=21, page_size=page_size, device="cpu", seed=9)
+    args, kwargs, o, ws = sb._decode_args(p, num_kv_splits=4, use_pdl=False)
+    assert args[0].shape == (2, 6, 576)
+    assert ws[0].shape == (2, 6, 4, 512) and ws[1].shape == (2, 6, 4)
+    assert args[8].tolist() == [4, 4] and args[9] == 4
+    got = _emulate_decode(args, kwargs).view(6, 2, 512)
+    torch.testing.assert_close(got, sb.reference_verify(p, ignore_tree=True),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_issued_bytes_models():
+    # extend: prefix+draft KV loaded once per (request, head, 32-row tile)
+    assert sb.extend_issued_kv_bytes(H=2, q_len=33, bs=1, ctx=100) == 1 * 2 * 2 * 100 * 1152
+    heads = 4 * 128
+    got = sb.decode_issued_bytes(H=128, q_len=4, bs=1, ctx=1000, num_kv_splits=8)
+    assert got == (32 * 1000 * 1152 + heads * 1152 + 2 * heads * 8 * 513 * 4 + heads * 1024)
+
+
+def test_n_copies_rotates_enough_data():
+    assert sb._n_copies(1 << 20) * (1 << 20) >= sb.ROTATE_BYTES
+    assert sb._n_copies(300 << 20) == 2
+    assert sb._n_copies(2 << 30) == 1
+    assert sb._n_copies(1) == sb.MAX_COPIES
