@@ -18,6 +18,7 @@ cudaError_t mla_verify_prepare() {
 template <class Cfg>
 cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   if (p.batch_size == 0) return cudaSuccess;
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   const dim3 grid_partial(Cfg::kRowBlocks, p.num_splits, p.batch_size);
   mla_verify_partial_kernel<Cfg><<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();

@@ -169,6 +169,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
 
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;  // exp(x) = 2^(x log2 e)
+  // Tree-mask row of each softmax row this thread owns (fixed across tiles), loaded once.
+  constexpr int kSoftmaxPasses = (Cfg::kRowsPerCta + Cfg::kRowsPerPass - 1) / Cfg::kRowsPerPass;
+  int64_t mask_rows[kSoftmaxPasses];
+#pragma unroll
+  for (int ps = 0; ps < kSoftmaxPasses; ++ps) {
+    const int r = ps * Cfg::kRowsPerPass + tid / Cfg::kSoftmaxLanes;
+    mask_rows[ps] = 0;
+    if constexpr (Cfg::kMask == MaskKind::kTree) {
+      if (r < live_rows) mask_rows[ps] = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + (row0 + r) / Cfg::kHeads];
+    }
+  }
   const int dim_v0 = warp * Cfg::kDimVPerWarp;
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -226,16 +237,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     __syncthreads();
 
     // ---- online softmax: 8 lanes per row, kColsPerLane columns each.
+#pragma unroll
     for (int r0 = 0; r0 < Cfg::kRowsPerCta; r0 += Cfg::kRowsPerPass) {
       const int r = r0 + tid / Cfg::kSoftmaxLanes;
       const int c0 = (tid % Cfg::kSoftmaxLanes) * Cfg::kColsPerLane;
       const bool row_in_cta = r < Cfg::kRowsPerCta;  // warp-uniform groups of 8 lanes
       const bool row_live = r < live_rows;
       const int qi = (row0 + r) / Cfg::kHeads;
-      int64_t mask_row = 0;
-      if constexpr (Cfg::kMask == MaskKind::kTree) {
-        if (row_live) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
-      }
+      const int64_t mask_row = mask_rows[r0 / Cfg::kRowsPerPass];
       float s[Cfg::kColsPerLane];
       float tile_max = -INFINITY;
 #pragma unroll

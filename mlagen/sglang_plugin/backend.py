@@ -15,7 +15,7 @@ SGLang's verify seq_lens exclude the draft tokens, whose slots sit at req_to_tok
 seq_len .. seq_len + q_len - 1 (see EagleVerifyInput.generate_attn_arg_prefill), so the kernel's
 kv_lens = seq_lens + q_len.
 
-CUDA graphs (SGLang >= 0.5.20 API): ``init_cuda_graph_state`` allocates every buffer for the
+CUDA graphs (SGLang 0.5.22+ API): ``init_cuda_graph_state`` allocates every buffer for the
 largest captured batch; ``init_forward_metadata_out_graph`` (run eagerly before capture and
 before every replay) refills kv_lens / block table / tree bitmasks in place, zeroing the
 ``num_padding`` padded rows' kv_len so they output 0. The captured kernels only read these
@@ -63,13 +63,16 @@ class MlagenAttnBackend(_Base):
     needs_cpu_seq_lens = False  # never reads seq_lens_cpu / seq_lens_sum (same as Triton)
     extend_dummy_seqs_capped_by_req_pool = True  # extend runs on Triton's req-pool sized buffers
 
-    def __init__(self, model_runner, verify_kernel=None, decode_kernel=None, fallback=None):
+    def __init__(self, model_runner, verify_kernel=None, decode_kernel=None, fallback=None,
+                 verify_q_len: Optional[int] = None):
         """
         Args:
             model_runner: SGLang ModelRunner (or a stand-in with req_to_token_pool,
                 token_to_kv_pool, page_size, device, model_config.context_len, kv_index_translator).
             verify_kernel / decode_kernel: loaded mlagen kernels (``mlagen.ops.VerifyKernel``) or None.
             fallback: the backend for every other mode (default: ``TritonAttnBackend(model_runner)``).
+            verify_q_len: draft tokens per request (--speculative-num-draft-tokens); default: the
+                Triton fallback's ``target_verify_num_tokens_per_req``.
         """
         super().__init__()
         if fallback is None:
@@ -85,9 +88,11 @@ class MlagenAttnBackend(_Base):
         self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
         self.max_context_len = model_runner.model_config.context_len
-        self.verify_q_len = int(getattr(fallback, "target_verify_num_tokens_per_req", 0) or 0)
-        if verify_kernel is not None:
-            self.verify_q_len = self.verify_q_len or int(verify_kernel.variant.q_len)
+        self.verify_q_len = int(verify_q_len or getattr(fallback, "target_verify_num_tokens_per_req", 0) or 0)
+        if verify_kernel is not None and not 1 <= self.verify_q_len <= verify_kernel.variant.q_len:
+            raise MlagenSetupError(
+                f"mlagen: {self.verify_q_len} draft tokens per request do not fit the verify variant "
+                f"(q_len {verify_kernel.variant.q_len})")
         width = self.req_to_token.shape[1]
         self._cols = md.page_columns(width, self.page_size, self.device)
         self._causal = {}
@@ -398,4 +403,5 @@ def create_mlagen_backend(runner):
     _register_model_dispatch()
     logger.info("mlagen: verify=%s decode=%s", selection.verify and selection.verify["uri"],
                 selection.decode and selection.decode["uri"])
-    return MlagenAttnBackend(runner, verify_kernel=verify, decode_kernel=decode)
+    return MlagenAttnBackend(runner, verify_kernel=verify, decode_kernel=decode,
+                             verify_q_len=facts.num_draft_tokens if verify is not None else None)

@@ -13,10 +13,11 @@ from typing import Optional
 
 # SGLang releases whose interfaces this backend was written against (see docs/sglang.md):
 # the plugin entry-point group + add_attention_backend_choices, the out_graph/in_graph
-# metadata ABC, build_replay_fb_view(num_padding=...), VerifyMask and the KV index translator.
-# 0.5.23 was read in full; 0.5.20-0.5.22 carry the same interfaces. <= 0.5.19 lacks the
-# translator in the Triton backend, <= 0.5.12 has the old capture/replay metadata API.
-SGLANG_MIN_VERSION = "0.5.20"
+# metadata ABC, build_replay_fb_view(num_padding=...), VerifyMask, KVWriteLoc.for_batch and the
+# Triton backend's target_verify_num_tokens_per_req. 0.5.23 was read in full and 0.5.22 has the
+# same interfaces; 0.5.20/0.5.21 lack KVWriteLoc.for_batch, <= 0.5.19 the choice adder,
+# <= 0.5.12 the out_graph/in_graph metadata API.
+SGLANG_MIN_VERSION = "0.5.22"
 SGLANG_MAX_VERSION_EXCLUSIVE = "0.5.24"
 SUPPORTED_SGLANG_RANGE = f">={SGLANG_MIN_VERSION},<{SGLANG_MAX_VERSION_EXCLUSIVE}"
 
@@ -100,7 +101,8 @@ def _version_tuple(v: str) -> tuple:
 def check_sglang_version(version: str) -> None:
     """Raise unless ``version`` is inside :data:`SUPPORTED_SGLANG_RANGE`."""
     t = _version_tuple(version)
-    if not (_version_tuple(SGLANG_MIN_VERSION) <= t < _version_tuple(SGLANG_MAX_VERSION_EXCLUSIVE)):
+    # Pre-releases of the first unsupported release are unsupported too (compare releases only).
+    if not (_version_tuple(SGLANG_MIN_VERSION) <= t and t[:3] < _version_tuple(SGLANG_MAX_VERSION_EXCLUSIVE)[:3]):
         raise MlagenSetupError(
             f"mlagen: SGLang {version} is not supported; the mlagen attention backend supports "
             f"sglang{SUPPORTED_SGLANG_RANGE}. Install a supported release, e.g. "

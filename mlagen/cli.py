@@ -1,0 +1,320 @@
+"""mlagen command line: generate, build, verify, bench, list, show, clean (click group).
+
+User errors raise click.ClickException: one line, no traceback, exit code 1.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mlagen import __version__, feasibility, paths
+from mlagen.spec import Spec, SpecError, filter_by_glob, load_spec
+
+console = Console(highlight=False)
+
+
+def _spec(path: str) -> Spec:
+    try:
+        return load_spec(path)
+    except SpecError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+def _gpu_available() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU visible to torch"
+    return True, torch.cuda.get_device_name()
+
+
+def _print_infeasible(infeasible) -> None:
+    for v, reason in infeasible:
+        console.print(f"[yellow]dropped[/] {v.uri}: {reason}")
+
+
+@click.group()
+@click.version_option(__version__, prog_name="mlagen")
+def main() -> None:
+    """Generate, build, verify and benchmark specialized MLA verify-attention kernels."""
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+def generate(spec_path: str, kernels: str | None) -> None:
+    """Validate SPEC and render the sources of its feasible variants (no compile)."""
+    from mlagen.build import generate as gen
+
+    spec = _spec(spec_path)
+    selected = filter_by_glob(spec.variants(), kernels)
+    if not selected:
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {kernels!r}")
+    ok, bad = feasibility.split_feasible(selected)
+    _print_infeasible(bad)
+    jobs = gen(ok)
+    for j in jobs:
+        console.print(f"{j.outputs['source']}  ({len(j.variants)} variant(s): nsplit {', '.join(str(v.nsplit) for v in j.variants)})")
+    console.print(f"{len(ok)} variants in {len(jobs)} modules under {paths.generated_dir()}; {len(bad)} dropped")
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Parallel nvcc jobs (default: MAX_JOBS or CPU count).")
+@click.option("--compile-only", is_flag=True, help="Stop after compiling, even on a GPU machine.")
+@click.option("--quick", is_flag=True, help="Verify without the 128k-token and >4 GiB cases.")
+def build(spec_path: str, kernels: str | None, jobs: int | None, compile_only: bool, quick: bool) -> None:
+    """Generate and compile every variant of SPEC; on a GPU also verify and benchmark them."""
+    from mlagen import build as b
+
+    spec = _spec(spec_path)
+    if not filter_by_glob(spec.variants(), kernels):
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {kernels!r}")
+    with _progress() as prog:
+        task = prog.add_task("compiling", total=None)
+
+        def on_progress(done, total, name):
+            prog.update(task, completed=done, total=total, description=f"nvcc {name[:60]}")
+
+        try:
+            rep = b.build(spec, kernels=kernels, jobs=jobs, on_progress=on_progress)
+        except b.ninja_gen.ToolchainError as e:
+            raise click.ClickException(str(e)) from None
+    _print_infeasible(rep.infeasible)
+    cached = sum(x.cached for x in rep.built)
+    console.print(f"built {len(rep.built)} variants ({cached} cached) in {rep.seconds:.1f} s; "
+                  f"{len(rep.failed)} failed; {len(rep.infeasible)} dropped")
+    for v, msg in rep.failed:
+        console.print(f"[red]FAILED[/] {v.uri}\n{msg}")
+    if rep.failed:
+        raise click.ClickException(f"{len(rep.failed)} variant(s) failed to build")
+    if compile_only:
+        return
+    ok, why = _gpu_available()
+    if not ok:
+        console.print(f"no GPU ({why}): stopping after compile")
+        return
+    uris = [x.uri for x in rep.built]
+    failures = _verify(uris, quick)
+    if failures:
+        raise click.ClickException(f"{failures} variant(s) failed verification")
+    _bench(uris, None, None, None)
+
+
+def _verify(uris: list[str], quick: bool) -> int:
+    import torch
+
+    from mlagen.ops import load_variant
+    from mlagen.registry import Registry
+    from mlagen.tables import arch_of_capability
+    from mlagen.verify import verify_kernel, summarize
+
+    reg = Registry()
+    dev = torch.cuda.get_device_name()
+    arch = arch_of_capability(*torch.cuda.get_device_capability())
+    done_keys: dict[str, tuple] = {}
+    table = Table("variant", "cases", "max |err|", "max lse err", "result", title=f"verify on {dev}")
+    failures = 0
+    with _progress() as prog:
+        task = prog.add_task("verifying", total=len(uris))
+        for uri in uris:
+            k = load_variant(uri)
+            row = reg.get_variant(uri)
+            results = verify_kernel(k, quick=quick)
+            s = summarize(results)
+            passed = s["passed"] == s["cases"]
+            failures += not passed
+            reg.add_verification(uri=uri, source_hash=row["source_hash"], device=dev, arch=arch, cases=s["cases"],
+                                 max_err=s["max_abs_err"], passed=passed,
+                                 detail=[dict(name=r.name, passed=r.passed, err=r.max_abs_err, detail=r.detail)
+                                         for r in results])
+            table.add_row(uri, f"{s['passed']}/{s['cases']}", f"{s['max_abs_err']:.4g}", f"{s['max_lse_err']:.3g}",
+                          "[green]pass[/]" if passed else "[red]FAIL[/]")
+            for r in results:
+                if not r.passed:
+                    console.print(f"[red]FAIL[/] {uri} / {r.name}: {r.detail}")
+            prog.advance(task)
+            done_keys[uri] = (passed,)
+    console.print(table)
+    return failures
+
+
+def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
+    import torch
+
+    from mlagen import bench as bm
+    from mlagen.ops import load_variant
+    from mlagen.registry import Registry
+    from mlagen.tables import arch_of_capability
+
+    reg = Registry()
+    dev = torch.cuda.get_device_name()
+    arch = arch_of_capability(*torch.cuda.get_device_capability())
+    contexts = contexts or bm.CONTEXTS
+    batches = batches or bm.BATCHES
+    verified = []
+    for uri in uris:
+        row = reg.get_variant(uri)
+        ver = reg.last_verification(uri, row["source_hash"])
+        if ver and ver["passed"] and ver["arch"] == arch:
+            verified.append(uri)
+        else:
+            console.print(f"[yellow]skip[/] {uri}: not verified on {arch} (run `mlagen verify`)")
+    if not verified:
+        raise click.ClickException("no verified variant to benchmark")
+    bw = bm.copy_bandwidth_gbs()
+    console.print(f"device {dev}: copy bandwidth {bw:.0f} GB/s (read + write)")
+    results = []
+    with _progress() as prog:
+        task = prog.add_task("benchmarking", total=len(verified) * len(contexts) * len(batches))
+        for uri in verified:
+            k = load_variant(uri)
+            v = k.variant
+            for ctx in contexts:
+                for bs in batches:
+                    shape = bm.Shape(v.heads, v.q_len, bs, ctx, v.page_size)
+                    r = bm.bench_kernel(k, shape)
+                    frac = r["gbs"] / bw
+                    reg.add_benchmark(uri=uri, source_hash=reg.get_variant(uri)["source_hash"], device=dev, arch=arch,
+                                      shape=shape.as_dict(), median_us=r["median_us"], gbs=r["gbs"], frac_copy_bw=frac)
+                    results.append((uri, shape, r, frac))
+                    prog.advance(task)
+    table = Table("variant", "H", "q", "ps", "bs", "ctx", "µs", "GB/s", "of copy bw", title=f"bench on {dev}")
+    for uri, shape, r, frac in results:
+        table.add_row(uri, str(shape.heads), str(shape.q_len), str(shape.page_size), str(shape.batch_size),
+                      str(shape.context), f"{r['median_us']:.1f}", f"{r['gbs']:.0f}", f"{frac:.2f}")
+    console.print(table)
+    best: dict[tuple, tuple] = {}
+    for uri, shape, r, _ in results:
+        key = (load_variant(uri).variant.bucket, shape.batch_size, shape.context)
+        if key not in best or r["median_us"] < best[key][1]:
+            best[key] = (uri, r["median_us"])
+    for (bucket, bs, ctx), (uri, us) in sorted(best.items()):
+        console.print(f"fastest {bucket} bs={bs} ctx={ctx}: {uri} ({us:.1f} µs)")
+    if plot:
+        from mlagen.plot import plot_bench
+
+        plot_bench(results, plot, bw)
+        console.print(f"wrote {plot}")
+
+
+def _uris_for(spec_path: str | None, kernels: str | None) -> list[str]:
+    from mlagen.registry import Registry
+
+    reg = Registry()
+    if spec_path:
+        spec = _spec(spec_path)
+        uris = [v.uri for v in filter_by_glob(spec.variants(), kernels) if reg.get_variant(v.uri)]
+    else:
+        uris = [r["uri"] for r in reg.variants(kernels)]
+    if not uris:
+        raise click.ClickException("no built variant matches; run `mlagen build SPEC` first")
+    return uris
+
+
+@main.command()
+@click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--quick", is_flag=True, help="Skip the 128k-token and >4 GiB cases.")
+def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
+    """Run built variants against the reference on the GPU; exits non-zero on any failure."""
+    ok, why = _gpu_available()
+    if not ok:
+        raise click.ClickException(f"verify needs a GPU: {why}")
+    failures = _verify(_uris_for(spec_path, kernels), quick)
+    if failures:
+        raise click.ClickException(f"{failures} variant(s) failed verification")
+
+
+@main.command()
+@click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--contexts", help="Comma-separated context lengths (default 4096,16384,65536).")
+@click.option("--batches", help="Comma-separated batch sizes (default 1,4).")
+@click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG.")
+def bench(spec_path: str | None, kernels: str | None, contexts: str | None, batches: str | None,
+          plot: str | None) -> None:
+    """Time verified variants (CUDA graph replay, median) and name the fastest per shape."""
+    ok, why = _gpu_available()
+    if not ok:
+        raise click.ClickException(f"bench needs a GPU: {why}")
+    _bench(_uris_for(spec_path, kernels), _ints(contexts, "--contexts"), _ints(batches, "--batches"), plot)
+
+
+def _ints(text: str | None, opt: str):
+    if not text:
+        return None
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated positive integers, got {text!r}", param_hint=opt) from None
+    if any(x <= 0 for x in vals):
+        raise click.BadParameter(f"expected comma-separated positive integers, got {text!r}", param_hint=opt)
+    return vals
+
+
+@main.command(name="list")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+def list_(kernels: str | None) -> None:
+    """Table of built variants: per-arch registers / smem / spills, verify status, best time."""
+    from mlagen.registry import Registry
+
+    reg = Registry()
+    rows = reg.variants(kernels)
+    table = Table("variant", "archs: regs / smem B / spill B", "verify", "best µs", title=f"{len(rows)} variants")
+    for r in rows:
+        res = r["resources"]
+        per_arch = "  ".join(f"{a}: {res[a]['registers']} / {res[a]['smem']} / {res[a]['spill_stores']}"
+                             for a in r["archs"] if a in res)
+        ver = reg.last_verification(r["uri"], r["source_hash"])
+        vs = "-" if ver is None else (f"pass ({ver['arch']})" if ver["passed"] else f"FAIL ({ver['arch']})")
+        best = reg.best_time(r["uri"])
+        table.add_row(r["uri"], per_arch, vs, "-" if best is None else f"{best:.1f}")
+    console.print(table)
+
+
+@main.command()
+@click.argument("uri")
+def show(uri: str) -> None:
+    """Everything recorded about one variant."""
+    import json
+
+    from mlagen.registry import Registry
+
+    reg = Registry()
+    row = reg.get_variant(uri)
+    if row is None:
+        raise click.ClickException(f"unknown variant {uri!r}; see `mlagen list`")
+    console.print_json(json.dumps(dict(row, verification=reg.last_verification(uri, row["source_hash"]),
+                                       benchmarks=reg.benchmarks(uri)), default=str))
+
+
+@main.command()
+@click.option("--all", "all_", is_flag=True, help="Also delete the cache (registry and built .so files).")
+@click.confirmation_option("--yes", prompt="Delete generated sources?")
+def clean(all_: bool) -> None:
+    """Delete generated sources (and with --all the registry and built modules)."""
+    targets = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
+    for t in targets:
+        if Path(t).exists():
+            shutil.rmtree(t)
+            console.print(f"removed {t}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

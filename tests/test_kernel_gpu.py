@@ -1,0 +1,115 @@
+"""GPU tests (pytest -m gpu): built variants against the reference, CUDA-graph replay, bad input."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SPECS = {
+    # the shipped K2 TP8 shape, both page sizes and load widths
+    "k2": dict(name="gpu_k2", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 16],
+               load_width=[64, 128], mask="tree"),
+    # extremes of H, other masks, odd q_len
+    "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1),
+    "h128": dict(name="gpu_h128", heads_per_rank=128, q_len=2, page_size=1, nsplit="auto", mask="none",
+                 row_tiles=3, num_warps=16, stages=2),
+    "h16": dict(name="gpu_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=3),
+}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from mlagen.build import build_variants
+    from mlagen.ops import VerifyKernel
+
+    out = {}
+    for key, spec in SPECS.items():
+        out[key] = [VerifyKernel(b.variant, b.so_path) for b in build_variants(spec)]
+    return out
+
+
+def _check(kernel, quick):
+    from mlagen.verify import verify_kernel
+
+    results = verify_kernel(kernel, quick=quick)
+    bad = [f"{r.name}: {r.detail}" for r in results if not r.passed]
+    assert not bad, f"{kernel.variant.uri}: " + " | ".join(bad)
+    assert len(results) >= 9
+
+
+def test_k2_full_case_set(kernels):
+    for i, k in enumerate(kernels["k2"]):
+        _check(k, quick=i > 0)  # full set (128k, > 4 GiB pool) on the first, quick on the rest
+
+
+@pytest.mark.parametrize("key", ["h1", "h128", "h16"])
+def test_other_shapes(kernels, key):
+    for k in kernels[key]:
+        _check(k, quick=True)
+
+
+def test_graph_replay_matches_eager(kernels):
+    from mlagen.cases import make_problem
+
+    k = kernels["k2"][0]
+    v = k.variant
+    bs = 6
+    p = make_problem(v, [3000] * bs, device="cuda")
+    ws = k.alloc_workspace(bs, "cuda")
+    out = torch.empty(bs * v.q_len, v.heads, v.dim_v, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(bs * v.q_len, v.heads, dtype=torch.float32, device="cuda")
+    lens = p.kv_lens
+
+    def run():
+        k(p.q, p.kv_cache, p.block_table, lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for it in range(50):
+        new = torch.randint(0, 3001, (bs,), generator=gen)
+        new[torch.rand(bs, generator=gen) < 0.2] = 0  # padded rows
+        lens.copy_(new.to(torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        got_out, got_lse = out.clone(), lse.clone()
+        out.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        assert torch.equal(got_out, out), f"replay {it} differs from eager for lengths {new.tolist()}"
+        assert torch.equal(got_lse.nan_to_num(-1.0), lse.nan_to_num(-1.0))
+        assert torch.isfinite(got_out).all()
+
+
+def test_bad_tensor_raises_before_launch(kernels):
+    from mlagen.cases import make_problem
+
+    k = kernels["k2"][0]
+    v = k.variant
+    p = make_problem(v, [100, 200], device="cuda")
+    out = torch.full((2 * v.q_len, v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="kv_lens must be torch.int32"):
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens.long(), out=out, **p.kernel_args())
+    with pytest.raises(ValueError, match="q must have shape"):
+        k(p.q[:-1], p.kv_cache, p.block_table, p.kv_lens, out=out, **p.kernel_args())
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        k(p.q, p.kv_cache, p.block_table.cpu(), p.kv_lens, out=out, **p.kernel_args())
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all(), "a rejected call must not write the output"
+
+
+def test_auto_split_is_one_wave(kernels):
+    k = kernels["k2"][0]
+    assert k.variant.nsplit == "auto"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    occ = k.module.max_active_ctas_per_sm()
+    for bs in (1, 4, 16, 64):
+        n = k.num_splits(bs)
+        assert 1 <= n and (bs * n * k.variant.row_blocks <= sms * occ or n == 1)

@@ -1,0 +1,437 @@
+"""CPU tests of the SGLang integration: installed state, startup checks, plugin loading through
+SGLang's own entry-point loader, the --attention-backend choice, and the metadata builders.
+
+Needs ``sglang==0.5.23`` (installed with --no-deps) and its light import deps for the SGLang parts;
+those tests skip when ``sglang.srt.plugins`` / ``sglang.srt.server_args`` cannot be imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as im
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from mlagen.sglang_plugin import checks, installed
+from mlagen.sglang_plugin import metadata as md
+from mlagen.sglang_plugin.checks import MlagenSetupError, ServerFacts
+
+
+# ----------------------------------------------------------------------------- helpers
+def _entry(**kw):
+    e = dict(uri="mla_verify_h16_q4_tree", so_path="/x/h16.so", role="verify", heads=16, q_len=4,
+             page_size=64, kv_lora_rank=512, qk_rope_head_dim=64, mask="tree", nsplit="auto",
+             bucket="h16_q4_kv512_rope64_ps64_tree_bf16")
+    e.update(kw)
+    return e
+
+
+def _state(*entries, arch="sm_90"):
+    return {"mlagen_version": "0.1.0", "arch": arch, "entries": list(entries)}
+
+
+def _facts(**kw):
+    f = dict(sglang_version="0.5.23", architectures=("DeepseekV3ForCausalLM",), is_mla=True,
+             kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128, attn_tp_size=8,
+             page_size=64, kv_cache_dtype="bfloat16", spec_algorithm="EAGLE", num_draft_tokens=4,
+             eagle_topk=2, draft_attention_backend="triton")
+    f.update(kw)
+    return ServerFacts(**f)
+
+
+# ----------------------------------------------------------------------------- installed.json
+def test_installed_roundtrip_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert installed.installed_path() == tmp_path / "cache" / "installed.json"
+    assert installed.read_installed() is None
+    st = _state(_entry(), _entry(uri="dec", role="decode", q_len=1, mask="causal", nsplit=32))
+    p = installed.write_installed(st)
+    assert p == installed.installed_path()
+    assert installed.read_installed() == st
+    assert json.loads(p.read_text())["entries"][1]["nsplit"] == 32
+    assert [x.name for x in p.parent.iterdir()] == ["installed.json"]  # no temp file left behind
+    assert installed.clear_installed() is True
+    assert installed.clear_installed() is False
+    assert installed.read_installed() is None
+
+
+@pytest.mark.parametrize("bad, text", [
+    (_state(_entry(role="prefill")), "role must be one of"),
+    (_state(_entry(heads=0)), "'heads' must be a positive int"),
+    (_state(_entry(nsplit="many")), "nsplit must be"),
+    (_state(_entry(mask="sliding")), "mask must be one of"),
+    (_state(_entry(role="decode", q_len=4)), "decode entry must have q_len 1"),
+    (_state(_entry(), _entry()), "listed twice"),
+    (_state(_entry(), arch="sm_80"), "'arch' must be one of"),
+])
+def test_installed_schema_rejects(tmp_path, bad, text):
+    with pytest.raises(installed.InstalledStateError, match=text):
+        installed.write_installed(bad, tmp_path / "i.json")
+    assert not (tmp_path / "i.json").exists()
+    (tmp_path / "i.json").write_text(json.dumps(bad))
+    with pytest.raises(installed.InstalledStateError, match=text):
+        installed.read_installed(tmp_path / "i.json")
+
+
+def test_installed_bad_json(tmp_path):
+    (tmp_path / "i.json").write_text("{not json")
+    with pytest.raises(installed.InstalledStateError, match="not valid JSON"):
+        installed.read_installed(tmp_path / "i.json")
+
+
+# ----------------------------------------------------------------------------- startup checks
+@pytest.mark.parametrize("v", ["0.5.22", "0.5.23", "0.5.23.post1", "0.5.23+cu129"])
+def test_version_supported(v):
+    checks.check_sglang_version(v)
+
+
+@pytest.mark.parametrize("v", ["0.5.12", "0.5.21", "0.5.22rc1", "0.5.24", "0.5.24rc0", "0.6.0", "0.4.10"])
+def test_version_rejected(v):
+    with pytest.raises(MlagenSetupError) as ei:
+        checks.check_sglang_version(v)
+    msg = str(ei.value)
+    assert f"SGLang {v} is not supported" in msg
+    assert "sglang>=0.5.22,<0.5.24" in msg
+
+
+def test_select_matching_verify_prefers_exact_qlen():
+    st = _state(_entry(uri="q9", q_len=9), _entry(uri="q4"), _entry(uri="q4_ps1", page_size=1))
+    sel = checks.run_startup_checks(_facts(), st)
+    assert sel.verify["uri"] == "q4" and sel.decode is None
+
+
+def test_chain_prefers_causal_and_tree_requires_tree():
+    st = _state(_entry(uri="tree"), _entry(uri="causal", mask="causal"))
+    assert checks.select_entries(st, _facts(eagle_topk=1)).verify["uri"] == "causal"
+    assert checks.select_entries(st, _facts(eagle_topk=4)).verify["uri"] == "tree"
+    with pytest.raises(MlagenSetupError, match=r"mask 'causal' not in \['tree'\]"):
+        checks.select_entries(_state(_entry(uri="causal", mask="causal")), _facts(eagle_topk=4))
+
+
+def test_mismatched_heads_message():
+    st = _state(_entry(uri="mla_verify_h8", heads=8))
+    with pytest.raises(MlagenSetupError) as ei:
+        checks.run_startup_checks(_facts(), st)  # 128 heads / TP8 = 16 per rank
+    msg = str(ei.value)
+    assert "no installed verify variant matches this server (heads_per_rank=16, page_size=64" in msg
+    assert "mla_verify_h8 (role=verify, heads=8" in msg
+    assert "heads_per_rank 8 != 16" in msg
+    assert ("Build and install a verify variant with heads_per_rank: 16, q_len: 4, page_size: 64, "
+            "kv_lora_rank: 512, qk_rope_head_dim: 64, mask: tree") in msg
+
+
+@pytest.mark.parametrize("entry_kw, text", [
+    (dict(page_size=1), "page_size 1 != 64"),
+    (dict(kv_lora_rank=256), "kv_lora_rank 256 != 512"),
+    (dict(qk_rope_head_dim=32), "qk_rope_head_dim 32 != 64"),
+    (dict(q_len=2), "q_len 2 < 4 draft tokens"),
+])
+def test_mismatched_variant_fields(entry_kw, text):
+    with pytest.raises(MlagenSetupError, match=text):
+        checks.run_startup_checks(_facts(), _state(_entry(**entry_kw)))
+
+
+def test_decode_entries_checked_and_used():
+    dec = _entry(uri="dec16", role="decode", q_len=1, mask="causal")
+    sel = checks.run_startup_checks(_facts(spec_algorithm=None), _state(dec))
+    assert sel.verify is None and sel.decode["uri"] == "dec16"
+    with pytest.raises(MlagenSetupError, match=r"(?s)no installed decode variant matches.*heads_per_rank 16 != 8"):
+        checks.run_startup_checks(_facts(spec_algorithm=None, attn_tp_size=16), _state(dec))
+    with pytest.raises(MlagenSetupError, match="only serves decode, and no decode variant is installed"):
+        checks.run_startup_checks(_facts(spec_algorithm=None), _state(_entry()))
+
+
+def test_nothing_installed_says_what_to_build():
+    with pytest.raises(MlagenSetupError, match="no mlagen kernels are installed.*Build and install a verify variant "
+                                               "with heads_per_rank: 16, q_len: 4, page_size: 64"):
+        checks.run_startup_checks(_facts(), None)
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(architectures=("LlamaForCausalLM",), is_mla=False), "is not an MLA model of the DeepSeek-V3 / Kimi-K2"),
+    (dict(architectures=("DeepseekV32ForCausalLM",)), "is not an MLA model"),
+    (dict(uses_sparse_attention=True), "sparse attention"),
+    (dict(kv_cache_dtype="float8_e4m3fn"), "KV cache dtype float8_e4m3fn is not supported"),
+    (dict(draft_attention_backend=None), "pass --speculative-draft-attention-backend triton"),
+    (dict(is_draft_worker=True), "serves the target model only"),
+    (dict(spec_algorithm="NGRAM"), "speculative algorithm NGRAM is not supported"),
+    (dict(num_draft_tokens=65), "exceed the kernel's tree-mask limit"),
+    (dict(dcp_size=2), "decode context parallelism"),
+    (dict(kv_pool_translating=True), "translating"),
+    (dict(prefill_attention_backend="fa3"), "not split prefill/decode backends"),
+    (dict(sglang_version="0.5.12"), "SGLang 0.5.12 is not supported"),
+])
+def test_model_and_server_rejected(kw, text):
+    with pytest.raises(MlagenSetupError, match=text):
+        checks.run_startup_checks(_facts(**kw), _state(_entry()))
+
+
+def test_arch_mismatch():
+    with pytest.raises(MlagenSetupError, match="installed kernels are for sm_120 but this GPU is sm_90"):
+        checks.run_startup_checks(_facts(device_arch="sm_90"), _state(_entry(), arch="sm_120"))
+
+
+# ----------------------------------------------------------------------------- metadata builders
+def _full_mask_from_parents(parents, L):
+    """FULL_MASK block [q, L+q] of one request for a draft tree given by parent indices."""
+    q = len(parents)
+    m = torch.zeros(q, L + q, dtype=torch.bool)
+    m[:, :L] = True
+    for i in range(q):
+        j = i
+        while j >= 0:
+            m[i, L + j] = True
+            j = parents[j]
+    return m
+
+
+def test_pack_full_mask_matches_tree():
+    trees = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]]
+    lens = [3, 0, 7]
+    blocks = [_full_mask_from_parents(p, L) for p, L in zip(trees, lens)]
+    flat = torch.cat([b.reshape(-1) for b in blocks] + [torch.ones(11, dtype=torch.bool)])
+    for dtype in (torch.bool, torch.uint8):
+        got = md.pack_full_mask(flat.to(dtype), torch.tensor(lens), 5)
+        for b, (p, L) in enumerate(zip(trees, lens)):
+            for i in range(5):
+                want = sum(1 << j for j in range(5) if blocks[b][i, L + j])
+                assert int(got[b, i]) == want, (b, i)
+    assert md.causal_bits(4).tolist() == [1, 3, 7, 15]
+    assert int(md.causal_bits(64)[63]) == -1  # all 64 bits set
+
+
+def test_fill_block_table_pages():
+    ps = 4
+    r2t = torch.zeros(3, 16, dtype=torch.int32)
+    r2t[2] = torch.cat([torch.arange(ps) + 8 * ps, torch.arange(ps) + 3 * ps, torch.arange(8) + 5 * ps])
+    out = torch.full((2, 4), -7, dtype=torch.int32)
+    md.fill_block_table(out, r2t, torch.tensor([2]), md.page_columns(16, ps), ps)
+    assert out[0].tolist() == [8, 3, 5, 6] and out[1].tolist() == [-7] * 4
+    out1 = torch.zeros(1, 16, dtype=torch.int32)
+    md.fill_block_table(out1, r2t, torch.tensor([2], dtype=torch.int32), md.page_columns(16, 1)[:9], 1)
+    assert out1[0, :9].tolist() == r2t[2, :9].tolist() and out1[0, 9:].tolist() == [0] * 7
+    kv = torch.zeros(4, dtype=torch.int32)
+    md.fill_kv_lens(kv, torch.tensor([5, 6, 1, 1]), 3, num_padding=2)
+    assert kv.tolist() == [8, 9, 0, 0]
+
+
+# ----------------------------------------------------------------------------- backend metadata (CPU stand-ins)
+class _Mode:
+    def __init__(self, name):
+        self.name = name
+
+    def is_target_verify(self):
+        return self.name == "verify"
+
+    def is_decode(self):
+        return self.name == "decode"
+
+
+class _Variant:
+    def __init__(self, q_len, mask):
+        self.q_len, self.mask = q_len, mask
+
+
+class _Kernel:
+    def __init__(self, q_len, mask):
+        self.variant = _Variant(q_len, mask)
+
+    def workspace_numel(self, bs, device=None):
+        return 8 * bs
+
+    def alloc_workspace(self, bs, device):
+        return torch.zeros(self.workspace_numel(bs), dtype=torch.float32, device=device)
+
+
+class _Fallback:
+    target_verify_num_tokens_per_req = 5
+
+    def __init__(self):
+        self.calls = []
+
+    def init_forward_metadata(self, fb):
+        self.calls.append(("eager", fb.forward_mode.name))
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens, **kw):
+        self.calls.append(("state", max_bs))
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.calls.append(("out_graph", fb.forward_mode.name, in_capture))
+
+
+def _runner(ps, width=32, rows=6):
+    r2t = (torch.arange(rows * width, dtype=torch.int32).reshape(rows, width) * 3) % 1000
+    if ps > 1:  # page-aligned contiguous slots per page
+        pages = torch.randperm(rows * width // ps)[: rows * (width // ps)].reshape(rows, width // ps)
+        r2t = (pages[:, :, None] * ps + torch.arange(ps)).reshape(rows, width).to(torch.int32)
+    mr = types.SimpleNamespace(
+        device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=r2t), token_to_kv_pool=None,
+        kv_index_translator=None, page_size=ps, model_config=types.SimpleNamespace(context_len=width))
+    return mr, r2t
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_backend_prepare_eager_and_graph(ps):
+    pytest.importorskip("sglang")
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    mr, r2t = _runner(ps)
+    fbk = _Fallback()
+    be = MlagenAttnBackend(mr, verify_kernel=_Kernel(8, "tree"), decode_kernel=None, fallback=fbk)
+    trees = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]]
+    lens = [6, 11]
+    mask = torch.cat([_full_mask_from_parents(p, L).reshape(-1) for p, L in zip(trees, lens)])
+    spec = types.SimpleNamespace(custom_mask=mask.to(torch.uint8), num_tokens_per_req=5)
+    fb = types.SimpleNamespace(forward_mode=_Mode("verify"), spec_info=spec, batch_size=2,
+                               req_pool_indices=torch.tensor([4, 1]), seq_lens=torch.tensor(lens))
+    be.init_forward_metadata(fb)
+    m = be.forward_metadata
+    assert m.kind == "verify" and m.q_len == 5 and m.kv_lens.tolist() == [11, 16]
+    want_pages = (r2t[[4, 1]][:, ::ps] // ps)[:, : m.block_table.shape[1]]
+    assert torch.equal(m.block_table, want_pages)
+    assert m.tree_mask.tolist() == [[1, 3, 5, 11, 21], [1, 3, 7, 15, 31]]
+    assert fbk.calls == []
+
+    # graph: capture at bs 4, then replay with 2 real rows + 2 padded rows
+    be._graph = {"kv_lens": torch.full((4,), 99, dtype=torch.int32),
+                 "block_table": torch.full((4, 32 // ps), -1, dtype=torch.int32),
+                 "tree": torch.full((4, 5), -1, dtype=torch.int64), "ws_verify": torch.zeros(64), "ws_decode": None}
+    rpi_buf, seq_buf = torch.tensor([4, 1, 0, 0]), torch.tensor([lens[0], lens[1], 1, 1])
+    cap = types.SimpleNamespace(forward_mode=_Mode("verify"), spec_info=types.SimpleNamespace(
+        custom_mask=torch.ones(1000, dtype=torch.bool), num_tokens_per_req=5), batch_size=4,
+        req_pool_indices=rpi_buf, seq_lens=seq_buf)
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    mc = be.forward_metadata
+    assert mc.tree_mask.tolist() == [[1, 3, 7, 15, 31]] * 4  # capture: causal placeholder
+    view = types.SimpleNamespace(forward_mode=_Mode("verify"), spec_info=spec, batch_size=4,
+                                 req_pool_indices=rpi_buf, seq_lens=seq_buf, num_padding=2,
+                                 max_seq_len_host=max(lens))
+    be.init_forward_metadata_out_graph(view)
+    mr_ = be.forward_metadata
+    assert mr_.kv_lens.data_ptr() == mc.kv_lens.data_ptr() and mr_.tree_mask.data_ptr() == mc.tree_mask.data_ptr()
+    assert be._graph["kv_lens"].tolist() == [11, 16, 0, 0]
+    assert be._graph["tree"].tolist() == [[1, 3, 5, 11, 21], [1, 3, 7, 15, 31], [0] * 5, [0] * 5]
+    npg = -(-16 // ps)
+    assert torch.equal(be._graph["block_table"][:2, :npg], (r2t[[4, 1]][:, ::ps] // ps)[:, :npg])
+
+    # other modes go to the fallback
+    ext = types.SimpleNamespace(forward_mode=_Mode("extend"), spec_info=None)
+    be.init_forward_metadata(ext)
+    assert be.forward_metadata is None and fbk.calls == [("eager", "extend")]
+    dec = types.SimpleNamespace(forward_mode=_Mode("decode"), spec_info=None)
+    be._graph_dims = (4, 20, {})
+    be.init_forward_metadata_out_graph(dec, in_capture=True)
+    assert fbk.calls[1:] == [("state", 4), ("out_graph", "decode", True)]
+
+
+# ----------------------------------------------------------------------------- SGLang plugin loading
+@pytest.fixture
+def sgl_plugins(monkeypatch):
+    """SGLang's plugin module with a fresh load guard and the attention choices restored after."""
+    plugins = pytest.importorskip("sglang.srt.plugins", reason="sglang (0.5.23) is not importable")
+    choices = pytest.importorskip("sglang.srt.arg_groups.choices")
+    saved = list(choices.ATTENTION_BACKEND_CHOICES)
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    if "mlagen" in choices.ATTENTION_BACKEND_CHOICES:
+        choices.ATTENTION_BACKEND_CHOICES.remove("mlagen")
+    yield plugins, choices
+    choices.ATTENTION_BACKEND_CHOICES[:] = saved
+
+
+def _parser():
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    p = argparse.ArgumentParser(prog="sglang serve")
+    server_args.ServerArgs.add_cli_args(p)
+    return p
+
+
+def _fake_dist(tmp_path, monkeypatch):
+    d = tmp_path / "site" / "mlagen_testplugin-0.0.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mlagen-testplugin\nVersion: 0.0\n")
+    (d / "entry_points.txt").write_text("[sglang.srt.plugins]\nmlagen = mlagen.sglang_plugin:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+
+
+def test_plugin_loaded_by_sglang_loader(sgl_plugins, tmp_path, monkeypatch):
+    plugins, choices = sgl_plugins
+    with pytest.raises(SystemExit):  # not a choice before the plugin runs
+        _parser().parse_args(["--model-path", "m", "--attention-backend", "mlagen"])
+    _fake_dist(tmp_path, monkeypatch)
+    eps = {ep.name: ep.value for ep in im.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("mlagen") == "mlagen.sglang_plugin:register"
+    plugins.load_plugins()
+    assert "mlagen" in choices.ATTENTION_BACKEND_CHOICES
+    args = _parser().parse_args(["--model-path", "m", "--attention-backend", "mlagen",
+                                 "--speculative-draft-attention-backend", "triton"])
+    assert args.attention_backend == "mlagen"
+    assert _parser().parse_args(["--model-path", "m", "--decode-attention-backend", "mlagen"]
+                                ).decode_attention_backend == "mlagen"
+    plugins.load_plugins()  # idempotent: the guard, and add_backend_choice itself
+    from mlagen.sglang_plugin import add_backend_choice
+
+    assert add_backend_choice() is False
+    assert choices.ATTENTION_BACKEND_CHOICES.count("mlagen") == 1
+
+
+def test_plugin_respects_sglang_plugins_allowlist(sgl_plugins, tmp_path, monkeypatch):
+    plugins, choices = sgl_plugins
+    _fake_dist(tmp_path, monkeypatch)
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    plugins.load_plugins()
+    assert "mlagen" not in choices.ATTENTION_BACKEND_CHOICES
+
+
+def test_register_factory_into_registry(sgl_plugins, monkeypatch):
+    """The factory goes into ATTENTION_BACKENDS (a stand-in registry module when SGLang's real one
+    cannot be imported on this CPU box, e.g. without torchvision)."""
+    name = "sglang.srt.layers.attention.attention_registry"
+    try:
+        real = importlib.import_module(name)
+    except Exception:
+        real = None
+    if real is None:
+        fake = types.ModuleType(name)
+        fake.ATTENTION_BACKENDS = {}
+
+        def register_attention_backend(n):
+            def deco(fn):
+                fake.ATTENTION_BACKENDS[n] = fn
+                return fn
+            return deco
+
+        fake.register_attention_backend = register_attention_backend
+        monkeypatch.setitem(sys.modules, name, fake)
+        pkg = importlib.import_module("sglang.srt.layers.attention")
+        monkeypatch.setattr(pkg, "attention_registry", fake, raising=False)
+        reg = fake
+    else:
+        reg = real
+        monkeypatch.delitem(reg.ATTENTION_BACKENDS, "mlagen", raising=False)
+    from mlagen.sglang_plugin import register
+
+    register()
+    assert "mlagen" in reg.ATTENTION_BACKENDS and callable(reg.ATTENTION_BACKENDS["mlagen"])
+    assert "mlagen" in sgl_plugins[1].ATTENTION_BACKEND_CHOICES
+    if real is not None:
+        monkeypatch.delitem(reg.ATTENTION_BACKENDS, "mlagen", raising=False)
+
+
+def test_installed_package_entry_point():
+    """Passes once pyproject.toml declares the entry point and the package is (re)installed."""
+    eps = [ep for ep in im.entry_points(group="sglang.srt.plugins")
+           if ep.value == "mlagen.sglang_plugin:register" and ep.dist is not None
+           and ep.dist.name.lower().replace("_", "-") == "mlagen"]
+    if not eps:
+        pytest.skip("mlagen's sglang.srt.plugins entry point is not installed (add the pyproject "
+                    "lines from docs/sglang.md and `pip install -e .`)")
+    assert eps[0].name == "mlagen"
+    assert eps[0].load().__name__ == "register"

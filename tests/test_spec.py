@@ -1,0 +1,90 @@
+import pytest
+
+from mlagen.feasibility import infeasible_reason, resources, split_feasible
+from mlagen.spec import SpecError, Variant, filter_by_glob, load_spec, parse_spec
+
+BASE = dict(heads_per_rank=8, q_len=9)
+
+
+def test_shipped_specs_parse_and_sweep():
+    s = load_spec("specs/kimi-k2-tp8-verify.yaml")
+    vs = s.variants()
+    assert len(vs) == 2 * 3 * 2  # page_size x nsplit x load_width
+    assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {16, 32, 64}
+    assert all(v.heads == 8 and v.q_len == 9 and v.mask == "tree" for v in vs)
+    assert all(v.archs == ("sm_120", "sm_90") for v in vs)
+    assert len({v.uri for v in vs}) == len(vs)
+    ok, bad = split_feasible(vs)
+    assert len(ok) == 12 and not bad
+    assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
+    assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
+
+
+def test_uri_has_every_parameter_and_round_trips():
+    v = parse_spec(dict(BASE, page_size=64, nsplit="auto", load_width=64)).variants()[0]
+    assert v.uri.startswith("mla_verify_h8_q9_kv512_rope64_ps64_nsauto_lw64_bn16_w8_rt2_st3_tree_bf16_sm120_sm90")
+    assert Variant.from_uri(v.uri) == v
+    assert "_ns" not in v.build_key
+    with pytest.raises(ValueError, match="not an mlagen variant uri"):
+        Variant.from_uri("mla_verify_h8")
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        (dict(nsplits=4), "unknown spec key 'nsplits'; allowed keys: arch, block_n"),
+        (dict(heads_per_rank="eight"), "spec key 'heads_per_rank': expected int, got str 'eight'; allowed: int in [1, 128]"),
+        (dict(heads_per_rank=129), "spec key 'heads_per_rank': value 129 out of range; allowed: int in [1, 128]"),
+        (dict(page_size=3), "spec key 'page_size': value 3 not allowed; allowed: 1, 2, 4, 8, 16, 32, 64, 128, 256"),
+        (dict(load_width=96), "spec key 'load_width': value 96 not allowed; allowed: 32, 64, 128"),
+        (dict(mask="sliding"), "spec key 'mask': value 'sliding' not allowed; allowed: none, causal, tree"),
+        (dict(nsplit="many"), "spec key 'nsplit': expected int, got str 'many'; allowed: int in [1, 256] or 'auto'"),
+        (dict(arch="sm_100"), "spec key 'arch': value 'sm_100' not allowed; allowed: sm_120, sm_90"),
+        (dict(q_len=[]), "spec key 'q_len': empty list"),
+        (dict(qk_rope_head_dim=2), "spec key 'load_width': 128-bit loads do not divide a 514-dim bf16 row"),
+        (dict(qk_rope_head_dim=8, load_width=32), "spec key 'qk_rope_head_dim': kv_lora_rank + qk_rope_head_dim = 520 is not a multiple of 16"),
+        (dict(heads_per_rank=True), "spec key 'heads_per_rank': expected int, got bool"),
+    ],
+)
+def test_bad_spec_names_key_and_allowed_values(patch, message):
+    with pytest.raises(SpecError) as e:
+        parse_spec(dict(BASE, **patch))
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_required_key():
+    with pytest.raises(SpecError, match="spec key 'q_len' is required; allowed: int in \\[1, 64\\]"):
+        parse_spec(dict(heads_per_rank=8))
+
+
+def test_yaml_errors(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("heads_per_rank: [8\n")
+    with pytest.raises(SpecError, match="invalid YAML"):
+        load_spec(p)
+    with pytest.raises(SpecError, match="cannot read spec"):
+        load_spec(tmp_path / "missing.yaml")
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(SpecError, match="top level must be a mapping"):
+        load_spec(p)
+
+
+def test_infeasible_variants_are_dropped_with_reason():
+    vs = parse_spec(dict(BASE, block_n=[16, 64], stages=[2, 4])).variants()
+    ok, bad = split_feasible(vs)
+    assert ok and bad
+    for v, reason in bad:
+        assert "shared memory" in reason and "sm_120" in reason
+        assert resources(v).smem_bytes > 101376
+    for v in ok:
+        assert resources(v).smem_bytes <= 101376
+    big = parse_spec(dict(BASE, row_tiles=8, num_warps=4)).variants()[0]
+    assert "would spill" in infeasible_reason(big) or "shared memory" in infeasible_reason(big)
+
+
+def test_glob_filter():
+    vs = load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
+    sel = filter_by_glob(vs, "*_ps64_*_lw128_*")
+    assert len(sel) == 3 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
+    assert filter_by_glob(vs, "nothing*") == []

@@ -1,0 +1,24 @@
+"""One shape, one variant, for ncu / compute-sanitizer: python tools/device_profile.py URI CTX BS [quick-verify]."""
+import sys, torch
+from mlagen.build import build_variants
+from mlagen.spec import Variant
+from mlagen.ops import VerifyKernel
+from mlagen.cases import make_problem
+
+v = Variant.from_uri(sys.argv[1])
+b = [x for x in build_variants(dict(name="prof", heads_per_rank=v.heads, q_len=v.q_len, page_size=v.page_size,
+     nsplit=v.nsplit, load_width=v.load_width, block_n=v.block_n, num_warps=v.num_warps, row_tiles=v.row_tiles,
+     stages=v.stages, mask=v.mask)) if x.uri == v.uri][0]
+k = VerifyKernel(b.variant, b.so_path)
+if len(sys.argv) > 4:
+    from mlagen.verify import verify_kernel
+    for r in verify_kernel(k, quick=True):
+        print(("ok  " if r.passed else "FAIL"), r.name, r.detail, flush=True)
+    sys.exit(0)
+ctx, bs = int(sys.argv[2]), int(sys.argv[3])
+p = make_problem(v, [ctx] * bs, device="cuda", poison_pool=False)
+ws = k.alloc_workspace(bs, "cuda")
+for _ in range(3):
+    k(p.q, p.kv_cache, p.block_table, p.kv_lens, workspace=ws, **p.kernel_args())
+torch.cuda.synchronize()
+print("splits", k.num_splits(bs))
