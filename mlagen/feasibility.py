@@ -33,14 +33,16 @@ def resources(v: Variant) -> Resources:
     dim_qk, dim_v = v.dim_qk, v.dim_v
     kv_row = dim_qk + 8
     smem_kv = v.stages * v.block_n * kv_row * 2
-    smem_s = v.num_warps * v.rows_per_cta * v.block_n * 4
+    n_groups = v.block_n // 16
+    k_groups = max(1, v.num_warps // max(1, n_groups))
+    smem_s = k_groups * v.rows_per_cta * v.block_n * 4
     smem_p = v.rows_per_cta * (v.block_n + 8) * 2
     smem_stats = 3 * v.rows_per_cta * 4
     smem_slots = v.stages * v.block_n * 8
     k_steps = dim_qk // 16
-    ks_per_warp = -(-k_steps // v.num_warps)
+    ks_per_warp = -(-k_steps // k_groups)
     regs_q = v.row_tiles * ks_per_warp * 4
-    regs_s = v.row_tiles * (v.block_n // 8) * 4
+    regs_s = v.row_tiles * 2 * 4
     regs_o = v.row_tiles * (dim_v // v.num_warps // 8) * 4
     return Resources(smem_kv + smem_s + smem_p + smem_stats + smem_slots, regs_q, regs_s, regs_o)
 
@@ -55,8 +57,10 @@ def infeasible_reason(v: Variant) -> str | None:
         return f"kv_lora_rank / num_warps = {v.dim_v / v.num_warps:g} dims is not a multiple of 16"
     if v.block_n % SOFTMAX_LANES:
         return f"block_n {v.block_n} does not divide by {SOFTMAX_LANES} softmax lanes"
-    if v.dim_qk // 16 < v.num_warps:
-        return f"{v.dim_qk // 16} k-steps cannot be shared by {v.num_warps} warps"
+    if v.num_warps % (v.block_n // 16):
+        return f"num_warps {v.num_warps} is not a multiple of block_n / 16 = {v.block_n // 16} token groups"
+    if v.dim_qk // 16 < v.num_warps // (v.block_n // 16):
+        return f"{v.dim_qk // 16} k-steps cannot be shared by {v.num_warps // (v.block_n // 16)} k-groups"
     if r.regs_tiles > REG_TILE_LIMIT:
         return f"register tiles {r.regs_tiles} words/thread > {REG_TILE_LIMIT} (Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill"
     if v.rows_per_cta > 2 * v.rows_max and v.row_tiles > 1:

@@ -34,10 +34,14 @@ struct MlaVerifyConfig {
   static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
   static constexpr int kStages = kStages_;
 
-  // S = Q K^T: each warp owns a slice of the kDimQK / 16 k-steps (Q slice held in registers).
+  // S = Q K^T: warps form kNGroups x kKGroups; warp (ng, kg) computes partial scores of all rows
+  // for tokens [16 ng, 16 ng + 16) over k-step slice kg of the kDimQK / 16 k-steps (its Q slice
+  // lives in registers). The kKGroups partials are summed in shared memory.
   static constexpr int kKSteps = kDimQK / 16;
-  static constexpr int kKStepsPerWarp = (kKSteps + kWarps - 1) / kWarps;
-  static constexpr int kNTilesS = kBlockN / 8;
+  static constexpr int kNGroups = kBlockN / 16;
+  static constexpr int kKGroups = kWarps / (kNGroups > 0 ? kNGroups : 1);
+  static constexpr int kKStepsPerWarp = (kKSteps + kKGroups - 1) / (kKGroups > 0 ? kKGroups : 1);
+  static constexpr int kNTilesS = 2;  // n8 tiles per warp: 16 tokens
   // O = P V: each warp owns kDimVPerWarp output dims for all rows.
   static constexpr int kDimVPerWarp = kDimV / kWarps;
   static constexpr int kNTilesO = kDimVPerWarp / 8;
@@ -57,7 +61,7 @@ struct MlaVerifyConfig {
   static constexpr int kKvRowElems = kDimQK + 8;
   static constexpr int kPRowElems = kBlockN + 8;
   static constexpr int kSmemKv = kStages * kBlockN * kKvRowElems * 2;
-  static constexpr int kSmemS = kWarps * kRowsPerCta * kBlockN * 4;
+  static constexpr int kSmemS = kKGroups * kRowsPerCta * kBlockN * 4;
   static constexpr int kSmemP = kRowsPerCta * kPRowElems * 2;
   static constexpr int kSmemStats = 3 * kRowsPerCta * 4;
   static constexpr int kSmemSlots = kStages * kBlockN * 8;  // int64 cache-slot ring, one row per stage
@@ -76,6 +80,7 @@ struct MlaVerifyConfig {
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
   static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16, "block_n must be a multiple of 16");
+  static_assert(kWarps % kNGroups == 0 && kKGroups >= 1, "num_warps must be a multiple of block_n / 16");
   static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "num_warps must be 4, 8 or 16");
   static_assert(kDimVPerWarp % 16 == 0, "kv_lora_rank / num_warps must be a multiple of 16");
   static_assert(kColsPerLane >= 1 && kBlockN % kSoftmaxLanes == 0, "block_n must divide by 8");

@@ -7,8 +7,8 @@
 //   softmax online over tiles: running row max m, row sum l, rescale alpha = 2^(m_old - m_new)
 //   output  O = P V / l                           V = K[:, :512]
 // and writes O (fp32) and LSE = ln(sum exp S) to the workspace; mla_verify_combine.cuh merges splits.
-// Work split inside a CTA: every warp computes partial scores over its slice of the 576 dims
-// for all rows (its Q slice lives in registers), partials are summed in shared memory, and for
+// Work split inside a CTA: warp (token group, k group) computes partial scores of all rows over
+// its slice of the 576 dims (its Q slice lives in registers), partials are summed in shared memory, and for
 // P V every warp owns 512 / kWarps output dims of all rows. KV tiles stream through a
 // kStages-deep cp.async ring. Token positions past kv_len are zero-filled, never read.
 #pragma once
@@ -132,8 +132,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   }
 
   // ---- Q slice of this warp in registers, as mma A fragments: q_frag[row tile][k step][4].
-  const int ks_begin = warp * Cfg::kKSteps / Cfg::kWarps;
-  const int ks_end = (warp + 1) * Cfg::kKSteps / Cfg::kWarps;
+  const int k_group = warp % Cfg::kKGroups;
+  const int n_group = warp / Cfg::kKGroups;
+  const int ks_begin = k_group * Cfg::kKSteps / Cfg::kKGroups;
+  const int ks_end = (k_group + 1) * Cfg::kKSteps / Cfg::kKGroups;
   uint32_t q_frag[Cfg::kRowTiles][Cfg::kKStepsPerWarp][4];
 #pragma unroll
   for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
@@ -208,27 +210,24 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     for (int kk = 0; kk < Cfg::kKStepsPerWarp; ++kk) {
       if (ks_begin + kk < ks_end) {
         const int k0 = (ks_begin + kk) * 16;
+        // matrices: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi) of this warp's 16 tokens
+        const int m = lane / 8;
+        const int n = n_group * 16 + (m / 2) * 8 + lane % 8;
+        uint32_t kb[4];
+        ptx::ldmatrix_x4(kb, k_smem + n * Cfg::kKvRowElems + k0 + (m % 2) * 8);
 #pragma unroll
-        for (int nb = 0; nb < Cfg::kNTilesS / 2; ++nb) {
-          // matrices: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi)
-          const int m = lane / 8;
-          const int n = nb * 16 + (m / 2) * 8 + lane % 8;
-          uint32_t kb[4];
-          ptx::ldmatrix_x4(kb, k_smem + n * Cfg::kKvRowElems + k0 + (m % 2) * 8);
-#pragma unroll
-          for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
-            ptx::mma_bf16_16816(s_frag[mt][2 * nb], q_frag[mt][kk], kb[0], kb[1]);
-            ptx::mma_bf16_16816(s_frag[mt][2 * nb + 1], q_frag[mt][kk], kb[2], kb[3]);
-          }
+        for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
+          ptx::mma_bf16_16816(s_frag[mt][0], q_frag[mt][kk], kb[0], kb[1]);
+          ptx::mma_bf16_16816(s_frag[mt][1], q_frag[mt][kk], kb[2], kb[3]);
         }
       }
     }
-    float* s_mine = s_part_smem + warp * (Cfg::kRowsPerCta * Cfg::kBlockN);
+    float* s_mine = s_part_smem + k_group * (Cfg::kRowsPerCta * Cfg::kBlockN);
 #pragma unroll
     for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const int c = nt * 8 + 2 * t4;
+        const int c = n_group * 16 + nt * 8 + 2 * t4;
         *reinterpret_cast<float2*>(s_mine + (mt * 16 + g) * Cfg::kBlockN + c) =
             make_float2(s_frag[mt][nt][0], s_frag[mt][nt][1]);
         *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kBlockN + c) =
@@ -253,7 +252,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         float acc = 0.f;
         if (row_live) {
 #pragma unroll
-          for (int w = 0; w < Cfg::kWarps; ++w) acc += s_part_smem[(w * Cfg::kRowsPerCta + r) * Cfg::kBlockN + c];
+          for (int kg = 0; kg < Cfg::kKGroups; ++kg) acc += s_part_smem[(kg * Cfg::kRowsPerCta + r) * Cfg::kBlockN + c];
         }
         const bool vis = row_live && key_visible<Cfg>(tile * Cfg::kBlockN + c, kv_len, prefix_len, qi, mask_row);
         s[j] = vis ? acc * scale_log2 : -INFINITY;
@@ -295,6 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
       const float a_lo = alpha_smem[mt * 16 + g];
       const float a_hi = alpha_smem[mt * 16 + g + 8];
+      if (__all_sync(0xffffffffu, a_lo == 1.f && a_hi == 1.f)) continue;  // no row max of this tile moved
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
         o_acc[mt][nt][0] *= a_lo;
