@@ -17,7 +17,7 @@ from rich.table import Table
 from mlagen import __version__, feasibility, paths
 from mlagen.spec import Spec, SpecError, filter_by_glob, load_spec
 
-console = Console(highlight=False)
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
 def _spec(path: str) -> Spec:
@@ -314,6 +314,67 @@ def clean(all_: bool) -> None:
         if Path(t).exists():
             shutil.rmtree(t)
             console.print(f"removed {t}")
+
+
+def _server_arch(arch: str | None) -> str:
+    if arch:
+        return arch
+    ok, why = _gpu_available()
+    if not ok:
+        raise click.ClickException(f"cannot detect the server GPU ({why}); pass --arch sm_120 or --arch sm_90")
+    import torch
+
+    from mlagen.tables import arch_of_capability
+
+    return arch_of_capability(*torch.cuda.get_device_capability())
+
+
+@main.command()
+@click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
+@click.option("--uri", "uris", multiple=True, help="Install this variant instead of picking (repeatable).")
+@click.option("--arch", type=click.Choice(["sm_120", "sm_90"]), help="Server GPU arch (default: this machine's GPU).")
+def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> None:
+    """Make the fastest verified variant of each shape bucket of SPEC (or --uri) SGLang's `mlagen` backend."""
+    from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
+    from mlagen.registry import Registry
+    from mlagen.sglang_plugin.installed import read_installed, write_installed
+
+    if not spec_path and not uris:
+        raise click.ClickException("give a SPEC or at least one --uri")
+    arch = _server_arch(arch)
+    reg = Registry()
+    try:
+        entries = [entry_for(reg, u, arch) for u in uris] if uris else pick_fastest(reg, _spec(spec_path), arch)
+    except InstallError as e:
+        raise click.ClickException(str(e)) from None
+    path = write_installed(merge_state(read_installed(), entries, arch))
+    for e in entries:
+        console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
+    console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")
+
+
+@main.command()
+def status() -> None:
+    """Show which variants the SGLang backend will load."""
+    from mlagen.sglang_plugin.installed import installed_path, read_installed
+
+    state = read_installed()
+    if not state or not state.get("entries"):
+        console.print(f"nothing installed ({installed_path()}); run `mlagen install SPEC`")
+        return
+    table = Table("role", "bucket", "variant", ".so", title=f"installed for {state['arch']} ({installed_path()})")
+    for e in state["entries"]:
+        ok = Path(e["so_path"]).exists()
+        table.add_row(e["role"], e["bucket"], e["uri"], "ok" if ok else "[red]missing[/]")
+    console.print(table)
+
+
+@main.command()
+def uninstall() -> None:
+    """Remove the installed state (SGLang's `mlagen` backend will then refuse to start)."""
+    from mlagen.sglang_plugin.installed import clear_installed, installed_path
+
+    console.print(f"removed {installed_path()}" if clear_installed() else "nothing was installed")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,8 @@ class VerifyKernel:
             _check(lse, "lse", torch.float32, shape=(bs * q_len, H))
             if lse.stride(1) != 1:
                 raise ValueError("lse must have a contiguous last dim")
+        if workspace is not None:
+            _check(workspace, "workspace", torch.float32, ndim=1)
         tensors = [q, kv2, block_table, kv_lens, out] + [t for t in (tree_mask, req_pool_indices, lse, workspace) if t is not None]
         for t in tensors:
             if t.device.type != "cuda":

@@ -9,10 +9,12 @@ SPECS = {
     # the shipped K2 TP8 shape, both page sizes and load widths
     "k2": dict(name="gpu_k2", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 16],
                load_width=[64, 128], mask="tree"),
+    "k2_bn32": dict(name="gpu_k2_bn32", heads_per_rank=8, q_len=9, page_size=64, nsplit="auto", block_n=32,
+                    stages=2, mask="tree"),
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1),
     "h128": dict(name="gpu_h128", heads_per_rank=128, q_len=2, page_size=1, nsplit="auto", mask="none",
-                 row_tiles=3, num_warps=16, stages=2),
+                 row_tiles=2, num_warps=8, stages=3),
     "h16": dict(name="gpu_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=3),
 }
 
@@ -42,7 +44,7 @@ def test_k2_full_case_set(kernels):
         _check(k, quick=i > 0)  # full set (128k, > 4 GiB pool) on the first, quick on the rest
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16"])
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

@@ -9,13 +9,13 @@ BASE = dict(heads_per_rank=8, q_len=9)
 def test_shipped_specs_parse_and_sweep():
     s = load_spec("specs/kimi-k2-tp8-verify.yaml")
     vs = s.variants()
-    assert len(vs) == 2 * 3 * 2  # page_size x nsplit x load_width
+    assert len(vs) == 2 * 3 * 2 * 2  # page_size x nsplit x load_width x block_n
     assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {16, 32, 64}
     assert all(v.heads == 8 and v.q_len == 9 and v.mask == "tree" for v in vs)
     assert all(v.archs == ("sm_120", "sm_90") for v in vs)
     assert len({v.uri for v in vs}) == len(vs)
     ok, bad = split_feasible(vs)
-    assert len(ok) == 12 and not bad
+    assert len(ok) == 24 and not bad
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
     assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
 
@@ -86,5 +86,5 @@ def test_infeasible_variants_are_dropped_with_reason():
 def test_glob_filter():
     vs = load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
     sel = filter_by_glob(vs, "*_ps64_*_lw128_*")
-    assert len(sel) == 3 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
+    assert len(sel) == 6 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
     assert filter_by_glob(vs, "nothing*") == []

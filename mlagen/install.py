@@ -1,0 +1,76 @@
+"""Choose the fastest verified variant per shape bucket and record it as SGLang's installed state."""
+
+from __future__ import annotations
+
+import math
+
+from mlagen import __version__
+from mlagen.registry import Registry
+from mlagen.spec import Spec, Variant
+
+
+class InstallError(ValueError):
+    """Nothing suitable to install; the message says what to build or verify."""
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def entry_for(reg: Registry, uri: str, arch: str) -> dict:
+    """Installed-state entry for ``uri``; raises InstallError unless it is built and verified on ``arch``."""
+    row = reg.get_variant(uri)
+    if row is None:
+        raise InstallError(f"{uri} is not built; run `mlagen build SPEC` first")
+    ver = reg.last_verification(uri, row["source_hash"])
+    if ver is None or not ver["passed"]:
+        raise InstallError(f"{uri} has no passing verification; run `mlagen verify` on a GPU")
+    if ver["arch"] != arch:
+        raise InstallError(f"{uri} was verified on {ver['arch']}, but the server GPU is {arch}: "
+                           f"run `mlagen verify` on a {arch} machine")
+    if arch not in row["archs"]:
+        raise InstallError(f"{uri} was not compiled for {arch} (archs: {', '.join(row['archs'])})")
+    v = Variant.from_dict(row["variant"])
+    return dict(uri=uri, so_path=row["so_path"], role="decode" if v.q_len == 1 else "verify", heads=v.heads,
+                q_len=v.q_len, page_size=v.page_size, kv_lora_rank=v.kv_lora_rank,
+                qk_rope_head_dim=v.qk_rope_head_dim, mask=v.mask, nsplit=v.nsplit, bucket=v.bucket)
+
+
+def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:
+    """Per bucket of ``spec``: the verified variant (on ``arch``) with the lowest geometric-mean
+    benchmark time over the shapes every candidate of the bucket was timed at.
+
+    Raises:
+        InstallError: a bucket has no verified variant on ``arch``.
+    """
+    buckets: dict[str, list[Variant]] = {}
+    for v in spec.variants():
+        buckets.setdefault(v.bucket, []).append(v)
+    chosen = []
+    for bucket, vs in buckets.items():
+        cands = []
+        for v in vs:
+            try:
+                entry = entry_for(reg, v.uri, arch)
+            except InstallError:
+                continue
+            times = {tuple(sorted(b["shape"].items())): b["median_us"] for b in reg.benchmarks(v.uri)
+                     if b["arch"] == arch}
+            cands.append((v, entry, times))
+        if not cands:
+            raise InstallError(f"no variant of bucket {bucket} is verified on {arch}: run "
+                               f"`mlagen build {spec.source}` on a {arch} GPU machine")
+        common = set.intersection(*(set(t) for _, _, t in cands)) if all(t for _, _, t in cands) else set()
+        if common:
+            best = min(cands, key=lambda c: _geomean([c[2][s] for s in common]))
+        else:
+            best = cands[0]  # verified but never benchmarked: take the first
+        chosen.append(best[1])
+    return chosen
+
+
+def merge_state(old: dict | None, entries: list[dict], arch: str) -> dict:
+    """New installed state: ``entries`` replace old entries of the same bucket; other arch's state is dropped."""
+    keep = [] if not old or old.get("arch") != arch else [
+        e for e in old.get("entries", []) if e["bucket"] not in {n["bucket"] for n in entries}]
+    return dict(mlagen_version=__version__, arch=arch, entries=keep + entries)

@@ -1,0 +1,114 @@
+"""Codegen, ninja generation and a real nvcc build (sm_120 + sm_90) without a GPU."""
+
+import re
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from mlagen import codegen, ninja_gen, ptxas
+from mlagen.spec import parse_spec
+
+V = parse_spec(dict(heads_per_rank=8, q_len=9, page_size=64, load_width=64, nsplit=32)).variants()[0]
+
+
+def test_render_binds_constants_only():
+    src = codegen.render_variant(V)
+    assert f"PYBIND11_MODULE({V.build_key}, m)" in src
+    assert "mlagen::MaskKind::kTree" in src and "/*kPageSize=*/64" in src and "/*kLoadBits=*/64" in src
+    assert "__global__" not in src  # kernel logic lives in include/mlagen/*.cuh
+    with pytest.raises(jinja2.UndefinedError):
+        codegen.render(codegen.MODULE_TEMPLATE, uri="x")
+
+
+def test_write_if_changed(tmp_path):
+    p = tmp_path / "a" / "f.cu"
+    assert codegen.write_if_changed(p, "x")
+    mtime = p.stat().st_mtime_ns
+    assert not codegen.write_if_changed(p, "x")
+    assert p.stat().st_mtime_ns == mtime
+    assert codegen.write_if_changed(p, "y") and p.read_text() == "y"
+
+
+def test_source_hash_covers_source_flags_and_nvcc():
+    h = codegen.source_hash("a", ["-O3"], "nvcc 13")
+    assert h != codegen.source_hash("b", ["-O3"], "nvcc 13")
+    assert h != codegen.source_hash("a", ["-O2"], "nvcc 13")
+    assert h != codegen.source_hash("a", ["-O3"], "nvcc 12")
+
+
+def test_ninja_files(cache_env):
+    text = ninja_gen.variant_ninja(V)
+    assert "arch=compute_120,code=sm_120" in text and "arch=compute_90,code=sm_90" in text
+    assert "-lineinfo" in text and "-Xptxas -v" in text and "deps = gcc" in text
+    top = ninja_gen.top_ninja([V])
+    assert f"subninja {ninja_gen.variant_outputs(V)['ninja']}" in top.replace("$:", ":")
+
+
+def test_ptxas_parser_and_ptx_scan():
+    log = """ptxas info    : Compiling entry function '_Z3foov' for 'sm_120'
+ptxas info    : Function properties for _Z3foov
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1040 bytes smem
+ptxas info    : Compiling entry function '_Z3foov' for 'sm_90'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 100 registers, used 1 barriers"""
+    s = ptxas.summarize(ptxas.parse_ptxas(log))
+    assert s["sm_120"] == dict(registers=255, smem_static=1040, stack=8, spill_stores=4, spill_loads=4)
+    assert s["sm_90"]["registers"] == 100 and s["sm_90"]["spill_stores"] == 0
+    assert ptxas.forbidden_in_ptx("\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {..};") == ["wgmma"]
+    assert ptxas.forbidden_in_ptx("  @%p1 setmaxnreg.inc.sync.aligned.u32 240;") == ["setmaxnreg"]
+    assert ptxas.forbidden_in_ptx("\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 ...;\n// wgmma in a comment") == []
+
+
+@pytest.mark.slow
+def test_real_build_sm120_sm90(built_small):
+    """Compiles a K2 TP8 variant with nvcc 13 for sm_120 and sm_90 and checks the reports."""
+    from mlagen.registry import Registry
+
+    rep = built_small["report"]
+    assert {b.variant.nsplit for b in rep.built} == {32, "auto"}
+    assert len({b.so_path for b in rep.built}) == 1  # nsplit is a launch argument: one module
+    b = rep.built[0]
+    for arch in ("sm_120", "sm_90"):
+        r = b.resources[arch]
+        assert r["smem"] <= 101376 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+        assert 0 < r["registers"] <= 255
+    keep = Path(ninja_gen.variant_outputs(b.variant)["keep"])
+    ptx = sorted(keep.glob("*.ptx"))
+    assert {re.search(r"compute_(\d+)", p.name).group(1) for p in ptx} == {"120", "90"}
+    for p in ptx:
+        text = p.read_text()
+        assert "mma.sync.aligned.m16n8k16" in text and "ldmatrix" in text and "cp.async" in text
+        assert ptxas.forbidden_in_ptx(text) == []
+    row = Registry().get_variant(b.uri)
+    assert row and row["so_path"] == str(b.so_path) and row["resources"]["sm_120"]["smem"] <= 101376
+    # the module imports without a GPU and reports its configuration
+    from mlagen.ops import load_variant
+
+    k = load_variant(b.uri)
+    assert k.module.heads == 8 and k.module.dim_qk == 576 and k.module.row_blocks == 3
+
+
+@pytest.mark.slow
+def test_cached_rebuild_is_fast_and_noop(built_small):
+    from mlagen.build import build
+
+    rep = build(built_small["spec"], jobs=2)
+    assert all(b.cached for b in rep.built) and not rep.failed
+    assert rep.seconds < 2.0
+
+
+@pytest.mark.slow
+def test_failed_build_registers_nothing(cache_env, monkeypatch):
+    from mlagen import build as b
+    from mlagen.registry import Registry
+
+    monkeypatch.setattr(b.codegen, "render_variant", lambda v: "#error deliberately broken\n")
+    spec = parse_spec(dict(name="broken", heads_per_rank=1, q_len=1, mask="none", row_tiles=1, arch="sm_90"))
+    rep = b.build(spec, jobs=1)
+    assert not rep.built and len(rep.failed) == 1
+    assert "deliberately broken" in rep.failed[0][1]
+    assert Registry().variants() == []
+    with pytest.raises(b.BuildError, match="deliberately broken"):
+        b.build_variants(spec)

@@ -1,0 +1,70 @@
+"""CLI behaviour without a GPU (click's CliRunner)."""
+
+import pytest
+from click.testing import CliRunner
+
+from mlagen.cli import main
+
+
+@pytest.fixture
+def runner(cache_env):
+    return CliRunner()
+
+
+def test_bad_spec_is_one_line_error(runner, tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("heads_per_rank: 8\nq_len: 9\npage_size: 3\n")
+    r = runner.invoke(main, ["build", str(p)])
+    assert r.exit_code == 1
+    assert "Error: spec key 'page_size': value 3 not allowed; allowed: 1, 2, 4, 8, 16, 32, 64, 128, 256" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_missing_spec_file(runner):
+    r = runner.invoke(main, ["build", "does-not-exist.yaml"])
+    assert r.exit_code != 0 and "does-not-exist.yaml" in r.output
+
+
+def test_bad_jobs_and_glob(runner):
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--jobs", "0"])
+    assert r.exit_code == 2 and "--jobs" in r.output
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", "nomatch*"])
+    assert r.exit_code == 1 and "no variant of kimi-k2-tp8-verify matches --kernels 'nomatch*'" in r.output
+
+
+def test_bench_bad_contexts(runner):
+    r = runner.invoke(main, ["bench", "--contexts", "4k"])
+    assert r.exit_code != 0
+
+
+def test_generate_lists_and_drops(runner, tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9\nblock_n: [16, 64]\nstages: 3\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 0, r.output
+    assert "dropped mla_verify_h8_q9" in r.output and "shared memory" in r.output
+    assert "1 variants in 1 modules" in r.output
+
+
+def test_verify_without_gpu_says_so(runner):
+    r = runner.invoke(main, ["verify"])
+    assert r.exit_code == 1 and "verify needs a GPU" in r.output
+
+
+def test_show_unknown_and_empty_list(runner):
+    r = runner.invoke(main, ["show", "mla_verify_nope"])
+    assert r.exit_code == 1 and "unknown variant 'mla_verify_nope'" in r.output
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0 and "0 variants" in r.output
+
+
+@pytest.mark.slow
+def test_build_without_gpu_compiles_then_stops(runner):
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
+    assert r.exit_code == 0, r.output
+    assert "built 1 variants (0 cached)" in r.output
+    assert "no GPU" in r.output and "stopping after compile" in r.output
+    r = runner.invoke(main, ["list"])
+    assert "mla_verify_h8_q1_kv512_rope64_ps64_ns32_lw128_bn16_w8_rt1_st2_causal_bf16_sm120_sm90" in r.output
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
+    assert "built 1 variants (1 cached)" in r.output

@@ -1,0 +1,100 @@
+"""Tensor checks of the Python wrapper: every bad input raises ValueError before any launch."""
+
+import pytest
+import torch
+
+from mlagen.ops import VerifyKernel
+from mlagen.spec import parse_spec
+
+
+class RecordingModule:
+    """Stands in for the compiled module; records launches (there must be none on bad input)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, *args):
+        self.calls += 1
+
+    def max_active_ctas_per_sm(self):
+        return 1
+
+
+def _kernel(**kw):
+    v = parse_spec(dict(dict(heads_per_rank=8, q_len=9, nsplit=16, load_width=128), **kw)).variants()[0]
+    k = VerifyKernel.__new__(VerifyKernel)
+    k.variant, k.so_path, k.module, k._sm = v, None, RecordingModule(), {}
+    return k
+
+
+def _inputs(bs=2, q_len=9, H=8):
+    return dict(
+        q=torch.randn(bs * q_len, H, 576).to(torch.bfloat16),
+        kv_cache=torch.randn(100, 576).to(torch.bfloat16),
+        block_table=torch.randint(0, 100, (bs, 20), dtype=torch.int32),
+        kv_lens=torch.randint(9, 20, (bs,), dtype=torch.int32),
+        tree_mask=torch.ones(bs, q_len, dtype=torch.int64),
+    )
+
+
+def _call(k, d, **kw):
+    d = dict(d)
+    q_len = kw.pop("q_len", 9)
+    return k(d.pop("q"), d.pop("kv_cache"), d.pop("block_table"), d.pop("kv_lens"), q_len=q_len,
+             softmax_scale=kw.pop("softmax_scale", 0.1), **d, **kw)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(q=d["q"].float()), "q must be torch.bfloat16, got torch.float32"),
+        (lambda d: d.update(q=d["q"][:, :4]), "q must have shape (18, 8, 576), got (18, 4, 576)"),
+        (lambda d: d.update(q=torch.randn(18, 8, 1152).to(torch.bfloat16)[..., ::2]), "q must have a contiguous last dim"),
+        (lambda d: d.update(kv_cache=d["kv_cache"][:, :512]), "kv_cache last dim must be 576"),
+        (lambda d: d.update(kv_cache=d["kv_cache"].view(100, 2, 288)), "kv_cache must be [num_slots, 576] or [num_slots, 1, 576]"),
+        (lambda d: d.update(kv_cache=torch.randn(101 * 576 + 4).to(torch.bfloat16)[4:].view(101, 576)),
+         "kv_cache rows must be contiguous and 16-byte aligned for 128-bit loads"),
+        (lambda d: d.update(block_table=d["block_table"].long()), "block_table must be torch.int32, got torch.int64"),
+        (lambda d: d.update(block_table=d["block_table"][:1]), "block_table has 1 rows for a batch of 2"),
+        (lambda d: d.update(kv_lens=d["kv_lens"].long()), "kv_lens must be torch.int32, got torch.int64"),
+        (lambda d: d.update(tree_mask=None), "uses a tree mask: pass tree_mask int64 [bs, q_len]"),
+        (lambda d: d.update(tree_mask=d["tree_mask"].int()), "tree_mask must be torch.int64"),
+        (lambda d: d.update(tree_mask=d["tree_mask"][:, :3]), "tree_mask must have shape (2, 9)"),
+        (lambda d: d.update(out=torch.empty(18, 8, 512)), "out must be torch.bfloat16"),
+        (lambda d: d.update(lse=torch.empty(18, 8, dtype=torch.float64)), "lse must be torch.float32"),
+        (lambda d: d.update(req_pool_indices=torch.zeros(2, dtype=torch.int16)), "req_pool_indices must be int32 or int64"),
+        (lambda d: d.update(workspace=torch.empty(10, dtype=torch.float64)), "workspace must be torch.float32"),
+        (lambda d: None, "all tensors must be on a CUDA device"),
+    ],
+)
+def test_bad_tensor_raises_before_launch(mutate, message):
+    k = _kernel()
+    d = _inputs()
+    mutate(d)
+    with pytest.raises(ValueError) as e:
+        _call(k, d)
+    assert message in str(e.value)
+    assert k.module.calls == 0
+
+
+@pytest.mark.parametrize("q_len, scale, message", [(10, 0.1, "q_len must be an int in [1, 9]"),
+                                                    (0, 0.1, "q_len must be an int in [1, 9]"),
+                                                    (9, float("nan"), "softmax_scale must be a finite float > 0"),
+                                                    (9, -1.0, "softmax_scale must be a finite float > 0")])
+def test_bad_scalars(q_len, scale, message):
+    k = _kernel()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _call(k, _inputs(), q_len=q_len, softmax_scale=scale)
+    assert k.module.calls == 0
+
+
+def test_workspace_sizing_and_split_policy():
+    k = _kernel()
+    v = k.variant
+    assert k.num_splits(4) == 16
+    assert k.workspace_numel(4) == 4 * 16 * v.rows_max * (512 + 1)
+    a = _kernel(nsplit="auto")
+    a._sm[0] = 132  # 132 SMs x 1 CTA/SM, as on an H200 at this variant's occupancy
+    assert a.num_splits(1, torch.device("cuda", 0)) == 132 // 3
+    assert a.num_splits(64, torch.device("cuda", 0)) == 1
+    assert a.min_tiles_per_split() >= 1
