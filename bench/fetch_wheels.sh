@@ -5,7 +5,7 @@
 #
 # sglang itself (39 MB, 46 MB of it Rust .so files nobody here imports) is
 # repacked into .whl/sglang-<ver>-1slim-py3-none-any.whl without *.so,
-# sglang/multimodal_gen/ and sglang/test/; RECORD is rewritten to match.
+# sglang/multimodal_gen/; RECORD is rewritten to match.
 # Because the repacked wheel is pure python it also installs on the local
 # Python (3.11) for the import check.
 #
@@ -59,7 +59,7 @@ def cmd_clean(dest, name):
         print(f"  removing stale {f}")
         os.remove(os.path.join(dest, f))
 
-DROP_PREFIXES = ("sglang/multimodal_gen/", "sglang/test/")
+DROP_PREFIXES = ("sglang/multimodal_gen/",)  # sglang/test/ stays: the GPU backend test uses its helpers
 
 def keep(n):
     return not (n.endswith(".so") or n.startswith(DROP_PREFIXES))
