@@ -6,6 +6,7 @@ registry is checked again after the lock is taken (FlashInfer ``jit/core.py`` pa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 import time
@@ -170,7 +171,8 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
 
 
 def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, on_progress, reg: Registry):
-    top = paths.generated_dir() / f"build_{spec.name}.ninja"
+    tag = hashlib.sha256("\n".join(sorted(j.key for j in jobs_)).encode()).hexdigest()[:12]
+    top = paths.generated_dir() / f"build_{spec.name}_{tag}.ninja"  # per target set: concurrent builds don't collide
     codegen.write_if_changed(top, ninja_gen.top_ninja([j.variants[0] for j in jobs_]))
     targets = [str(j.outputs["so"]) for j in jobs_]
     total = len(targets)

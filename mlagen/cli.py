@@ -66,6 +66,8 @@ def generate(spec_path: str, kernels: str | None) -> None:
         raise click.ClickException(f"no variant of {spec.name} matches --kernels {kernels!r}")
     ok, bad = feasibility.split_feasible(selected)
     _print_infeasible(bad)
+    if not ok:
+        raise click.ClickException(f"no feasible variant in {spec_path} ({len(bad)} dropped, reasons above)")
     jobs = gen(ok)
     for j in jobs:
         console.print(f"{j.outputs['source']}  ({len(j.variants)} variant(s): nsplit {', '.join(str(v.nsplit) for v in j.variants)})")
@@ -96,6 +98,8 @@ def build(spec_path: str, kernels: str | None, jobs: int | None, compile_only: b
         except b.ninja_gen.ToolchainError as e:
             raise click.ClickException(str(e)) from None
     _print_infeasible(rep.infeasible)
+    if not rep.built and not rep.failed:
+        raise click.ClickException(f"no feasible variant in {spec_path} ({len(rep.infeasible)} dropped, reasons above)")
     cached = sum(x.cached for x in rep.built)
     console.print(f"built {len(rep.built)} variants ({cached} cached) in {rep.seconds:.1f} s; "
                   f"{len(rep.failed)} failed; {len(rep.infeasible)} dropped")
@@ -305,12 +309,16 @@ def show(uri: str) -> None:
 
 
 @main.command()
-@click.option("--all", "all_", is_flag=True, help="Also delete the cache (registry and built .so files).")
+@click.option("--all", "all_", is_flag=True,
+              help="Also delete the cache: registry, built .so files and the installed state (uninstalls SGLang's backend).")
 @click.confirmation_option("--yes", prompt="Delete generated sources?")
 def clean(all_: bool) -> None:
     """Delete generated sources (and with --all the registry and built modules)."""
     targets = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
     for t in targets:
+        t = Path(t).resolve()
+        if t in (Path.home().resolve(), Path("/")) or len(t.parts) < 3:
+            raise click.ClickException(f"refusing to delete {t}: check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR")
         if Path(t).exists():
             shutil.rmtree(t)
             console.print(f"removed {t}")
@@ -337,7 +345,7 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
     """Make the fastest verified variant of each shape bucket of SPEC (or --uri) SGLang's `mlagen` backend."""
     from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
     from mlagen.registry import Registry
-    from mlagen.sglang_plugin.installed import read_installed, write_installed
+    from mlagen.sglang_plugin.installed import InstalledStateError, read_installed, write_installed
 
     if not spec_path and not uris:
         raise click.ClickException("give a SPEC or at least one --uri")
@@ -347,7 +355,11 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
         entries = [entry_for(reg, u, arch) for u in uris] if uris else pick_fastest(reg, _spec(spec_path), arch)
     except InstallError as e:
         raise click.ClickException(str(e)) from None
-    path = write_installed(merge_state(read_installed(), entries, arch))
+    try:
+        old = read_installed()
+    except InstalledStateError as e:
+        raise click.ClickException(str(e)) from None
+    path = write_installed(merge_state(old, entries, arch))
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")
@@ -356,17 +368,24 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
 @main.command()
 def status() -> None:
     """Show which variants the SGLang backend will load."""
-    from mlagen.sglang_plugin.installed import installed_path, read_installed
+    from mlagen.sglang_plugin.installed import InstalledStateError, installed_path, read_installed
 
-    state = read_installed()
+    try:
+        state = read_installed()
+    except InstalledStateError as e:
+        raise click.ClickException(str(e)) from None
     if not state or not state.get("entries"):
         console.print(f"nothing installed ({installed_path()}); run `mlagen install SPEC`")
         return
     table = Table("role", "bucket", "variant", ".so", title=f"installed for {state['arch']} ({installed_path()})")
+    missing = 0
     for e in state["entries"]:
         ok = Path(e["so_path"]).exists()
+        missing += not ok
         table.add_row(e["role"], e["bucket"], e["uri"], "ok" if ok else "[red]missing[/]")
     console.print(table)
+    if missing:
+        raise click.ClickException(f"{missing} installed module(s) missing: rebuild and run `mlagen install` again")
 
 
 @main.command()

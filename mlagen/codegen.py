@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import tempfile
 from pathlib import Path
 
 import jinja2
 
 from mlagen import __version__, paths
 from mlagen.spec import Variant
-from mlagen.tables import MASKS
+from mlagen.tables import MASKS, SMEM_LIMIT
 
 MODULE_TEMPLATE = "mla_verify_module.cu.j2"
 
@@ -48,6 +50,7 @@ def template_context(v: Variant) -> dict:
         row_tiles=int(v.row_tiles),
         stages=int(v.stages),
         mask_cpp=MASKS[v.mask][0],
+        smem_limit=min(SMEM_LIMIT[a] for a in v.archs),
     )
 
 
@@ -56,7 +59,6 @@ def render_variant(v: Variant) -> str:
     return render(MODULE_TEMPLATE, **template_context(v))
 
 
-@functools.lru_cache(maxsize=1)
 def headers_digest() -> str:
     """sha256 over every kernel header under include/ (they are part of each variant's source)."""
     h = hashlib.sha256()
@@ -84,7 +86,8 @@ def write_if_changed(path: Path, text: str) -> bool:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # unique: concurrent writers
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
     return True

@@ -21,7 +21,7 @@ def entry_for(reg: Registry, uri: str, arch: str) -> dict:
     """Installed-state entry for ``uri``; raises InstallError unless it is built and verified on ``arch``."""
     row = reg.get_variant(uri)
     if row is None:
-        raise InstallError(f"{uri} is not built; run `mlagen build SPEC` first")
+        raise InstallError(f"{uri}: unknown or unbuilt variant (see `mlagen list`); run `mlagen build SPEC` first")
     ver = reg.last_verification(uri, row["source_hash"])
     if ver is None or not ver["passed"]:
         raise InstallError(f"{uri} has no passing verification; run `mlagen verify` on a GPU")

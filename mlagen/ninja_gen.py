@@ -118,7 +118,9 @@ def default_jobs() -> int:
     """MAX_JOBS from the environment, else the CPU count."""
     env = os.environ.get("MAX_JOBS")
     if env:
-        return max(1, int(env))
+        if not env.isdigit() or int(env) < 1:
+            raise ToolchainError(f"MAX_JOBS must be a positive integer, got {env!r}")
+        return int(env)
     return max(1, os.cpu_count() or 1)
 
 

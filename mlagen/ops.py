@@ -109,14 +109,17 @@ class VerifyKernel:
         v = self.variant
         D, DV, H = v.dim_qk, v.dim_v, v.heads
         lw_bytes = v.load_width // 8
-        if not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
             raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
-        if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+        if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+                and math.isfinite(softmax_scale) and 0 < softmax_scale < 3.0e38):
+            raise ValueError(f"softmax_scale must be a finite float > 0 (fp32 range), got {softmax_scale!r}")
         _check(kv_lens, "kv_lens", torch.int32, ndim=1)
         if not kv_lens.is_contiguous():
             raise ValueError("kv_lens must be contiguous")
         bs = kv_lens.shape[0]
+        if bs > 65535:
+            raise ValueError(f"batch size {bs} exceeds the 65,535 requests one launch supports")
         _check(q, "q", torch.bfloat16, shape=(bs * q_len, H, D))
         if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
             raise ValueError(f"q must have a contiguous last dim, even strides and 4-byte alignment; strides {q.stride()}")
@@ -155,10 +158,12 @@ class VerifyKernel:
         _check(out, "out", torch.bfloat16, shape=(bs * q_len, H, DV))
         if out.stride(2) != 1 or out.stride(0) % 2 or out.stride(1) % 2 or out.data_ptr() % 4:
             raise ValueError(f"out must have a contiguous last dim, even strides and 4-byte alignment; strides {out.stride()}")
+        if out.stride(1) < DV or out.stride(0) < H * out.stride(1):
+            raise ValueError(f"out rows must not overlap: strides {out.stride()} for shape {tuple(out.shape)}")
         if lse is not None:
             _check(lse, "lse", torch.float32, shape=(bs * q_len, H))
-            if lse.stride(1) != 1:
-                raise ValueError("lse must have a contiguous last dim")
+            if lse.stride(1) != 1 or lse.stride(0) < H:
+                raise ValueError(f"lse must have a contiguous last dim and non-overlapping rows; strides {lse.stride()}")
         if workspace is not None:
             _check(workspace, "workspace", torch.float32, ndim=1)
         tensors = [q, kv2, block_table, kv_lens, out] + [t for t in (tree_mask, req_pool_indices, lse, workspace) if t is not None]
@@ -176,6 +181,11 @@ class VerifyKernel:
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
                              f"(alloc_workspace({bs})), got {workspace.numel()}")
+        ws_lo, ws_hi = workspace.data_ptr(), workspace.data_ptr() + need * 4
+        for name, t in (("q", q), ("kv_cache", kv2), ("block_table", block_table), ("kv_lens", kv_lens), ("out", out),
+                        ("lse", lse), ("tree_mask", tree_mask), ("req_pool_indices", req_pool_indices)):
+            if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
+                raise ValueError(f"workspace overlaps {name}")
         o_part = workspace.data_ptr()
         lse_part = o_part + bs * splits * rows_max * DV * 4
         stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -193,6 +203,12 @@ class VerifyKernel:
                 bs, q_len, splits, self.min_tiles_per_split(), float(softmax_scale), stream,
             )
         return out, lse
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) that a strided tensor can touch."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: int | None = None) -> None:

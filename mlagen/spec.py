@@ -21,6 +21,7 @@ class SpecError(ValueError):
     """A spec is invalid; the message is one line naming the key and the allowed values."""
 
 
+_NAME_RE = __import__("re").compile(r"[A-Za-z0-9_.-]{1,100}")
 _POW2_PAGES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
@@ -74,7 +75,7 @@ PARAMS: dict[str, Param] = {
         Param("page_size", int, allowed=tuple(_POW2_PAGES), default=1),
         Param("nsplit", int, lo=1, hi=256, default="auto", extra=("auto",)),
         Param("load_width", int, allowed=(32, 64, 128), default=128),
-        Param("block_n", int, allowed=(16, 32, 48, 64), default=16),
+        Param("block_n", int, allowed=(16, 32, 64), default=16),
         Param("num_warps", int, allowed=(4, 8, 16), default=8),
         Param("row_tiles", int, lo=1, hi=8, default=2),
         Param("stages", int, lo=2, hi=6, default=3),
@@ -276,7 +277,9 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
                     f"spec key 'qk_rope_head_dim': kv_lora_rank + qk_rope_head_dim = {dim} is not a multiple of 16 "
                     f"(mma k step); allowed: values making the sum a multiple of 16"
                 )
-    name = data.get("name") or Path(source).stem
+    name = data.get("name") or (Path(source).stem if source != "<dict>" else "spec")
+    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise SpecError(f"spec key 'name': {name!r} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
     return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source)
 
 

@@ -68,3 +68,26 @@ def test_build_without_gpu_compiles_then_stops(runner):
     assert "mla_verify_h8_q1_kv512_rope64_ps64_ns32_lw128_bn16_w8_rt1_st2_causal_bf16_sm120_sm90" in r.output
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
     assert "built 1 variants (1 cached)" in r.output
+
+
+def test_bad_max_jobs_is_one_line_error(runner, monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "abc")
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
+    assert r.exit_code == 1 and "MAX_JOBS must be a positive integer, got 'abc'" in r.output
+
+
+def test_nothing_feasible_fails(runner, tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9\nblock_n: 64\nstages: 4\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1 and "no feasible variant" in r.output
+
+
+def test_status_with_corrupt_state(runner, cache_env):
+    import os
+
+    d = cache_env / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "installed.json").write_text("{not json")
+    r = runner.invoke(main, ["status"])
+    assert r.exit_code == 1 and "Traceback" not in r.output and "installed.json" in r.output

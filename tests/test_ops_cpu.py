@@ -98,3 +98,24 @@ def test_workspace_sizing_and_split_policy():
     assert a.num_splits(1, torch.device("cuda", 0)) == 132 // 3
     assert a.num_splits(64, torch.device("cuda", 0)) == 1
     assert a.min_tiles_per_split() >= 1
+
+
+def test_workspace_overlapping_an_input_is_rejected(monkeypatch):
+    k = _kernel()
+    d = _inputs()
+    big = torch.empty(k.workspace_numel(2) + 18 * 8 * 512, dtype=torch.float32)
+    out = big[: 18 * 8 * 512 // 2].view(torch.bfloat16).view(18, 8, 512)  # out lives inside the workspace
+    # pretend every tensor is on a GPU so that only the overlap check can refuse
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="workspace overlaps out"):
+        _call(k, d, out=out, workspace=big)
+    assert k.module.calls == 0
+
+
+def test_bool_q_len_and_huge_scale_rejected():
+    k = _kernel()
+    with pytest.raises(ValueError, match="q_len must be an int"):
+        _call(k, _inputs(), q_len=True)
+    with pytest.raises(ValueError, match="fp32 range"):
+        _call(k, _inputs(), softmax_scale=1e300)

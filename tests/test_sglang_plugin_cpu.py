@@ -432,6 +432,6 @@ def test_installed_package_entry_point():
            and ep.dist.name.lower().replace("_", "-") == "mlagen"]
     if not eps:
         pytest.skip("mlagen's sglang.srt.plugins entry point is not installed (add the pyproject "
-                    "lines from docs/sglang.md and `pip install -e .`)")
+                    "lines in pyproject.toml and `pip install -e .`)")
     assert eps[0].name == "mlagen"
     assert eps[0].load().__name__ == "register"

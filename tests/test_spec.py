@@ -88,3 +88,19 @@ def test_glob_filter():
     sel = filter_by_glob(vs, "*_ps64_*_lw128_*")
     assert len(sel) == 6 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
     assert filter_by_glob(vs, "nothing*") == []
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "..", "has space"])
+def test_spec_name_is_a_safe_file_name(name):
+    with pytest.raises(SpecError, match="spec key 'name'"):
+        parse_spec(dict(BASE, name=name))
+
+
+def test_sm90_only_uses_sm90_smem_limit_and_template_agrees():
+    from mlagen.codegen import template_context
+
+    v = parse_spec(dict(BASE, block_n=64, row_tiles=1, stages=2, arch="sm_90")).variants()[0]
+    assert resources(v).smem_bytes > 101376 and infeasible_reason(v) is None
+    assert template_context(v)["smem_limit"] == 232448
+    both = parse_spec(dict(BASE)).variants()[0]
+    assert template_context(both)["smem_limit"] == 101376

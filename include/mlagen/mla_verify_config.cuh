@@ -8,11 +8,12 @@ namespace mlagen {
 
 enum class MaskKind : int { kNone = 0, kCausal = 1, kTree = 2 };
 
-// sm_120 (RTX PRO 6000 Blackwell) opt-in maximum dynamic shared memory per block.
+// Opt-in maximum dynamic shared memory per block: sm_120 (RTX PRO 6000 Blackwell) and sm_90 (H100/H200).
 inline constexpr int kSmemLimitSm120 = 101376;
+inline constexpr int kSmemLimitSm90 = 232448;
 
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_, int kWarps_,
-          int kRowTiles_, int kStages_, MaskKind kMask_>
+          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
 struct MlaVerifyConfig {
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank
@@ -87,7 +88,7 @@ struct MlaVerifyConfig {
   static_assert(kStages >= 2, "need at least two pipeline stages");
   static_assert(kBlockN <= kThreads, "one thread per token gathers the page table");
   static_assert(kRowTiles >= 1 && kRowTiles <= 8, "row_tiles must be in [1, 8]");
-  static_assert(kSmemBytes <= kSmemLimitSm120, "shared memory exceeds sm_120's 101,376 B per block");
+  static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsQ + kRegsS + kRegsO <= 200, "register tiles would spill");
 };
 

@@ -17,8 +17,11 @@ cudaError_t mla_verify_prepare() {
 
 template <class Cfg>
 cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
-  if (p.batch_size == 0) return cudaSuccess;
+  // Defence in depth (the Python wrapper checks these first): grid and workspace layout assume them.
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
+  if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr) return cudaErrorInvalidValue;
+  if (p.batch_size == 0) return cudaSuccess;
   const dim3 grid_partial(Cfg::kRowBlocks, p.num_splits, p.batch_size);
   mla_verify_partial_kernel<Cfg><<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Optional
 
-# SGLang releases whose interfaces this backend was written against (see docs/sglang.md):
+# SGLang releases whose interfaces this backend was written against (see README.md, "Use with SGLang"):
 # the plugin entry-point group + add_attention_backend_choices, the out_graph/in_graph
 # metadata ABC, build_replay_fb_view(num_padding=...), VerifyMask, KVWriteLoc.for_batch and the
 # Triton backend's target_verify_num_tokens_per_req. 0.5.23 was read in full and 0.5.22 has the

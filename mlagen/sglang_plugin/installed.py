@@ -34,9 +34,7 @@ class InstalledStateError(ValueError):
     """installed.json exists but is not valid JSON or does not follow the schema."""
 
 
-def cache_dir() -> Path:
-    """``$MLAGEN_CACHE_DIR`` or ``~/.cache/mlagen`` (not created here)."""
-    return Path(os.environ.get("MLAGEN_CACHE_DIR") or Path.home() / ".cache" / "mlagen").expanduser()
+from mlagen.paths import cache_dir  # noqa: E402  (stdlib-only module: no torch / SGLang import)
 
 
 def installed_path() -> Path:
