@@ -31,27 +31,23 @@ import sys
 import sysconfig
 import tempfile
 
-D_QK = 576
-D_V = 512
-BF16 = 2
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mlagen.roofline import verify_bytes, verify_flops  # noqa: E402,F401  (one definition, torch-free)
+
 FLOP_PER_MMA = 2 * 16 * 8 * 16  # mma.sync m16n8k16
+
+
+def copy_bandwidth_gbs(device=None, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """mlagen.bench.copy_bandwidth_gbs (imported lazily: this module stays importable without torch)."""
+    from mlagen.bench import copy_bandwidth_gbs as measure
+
+    return measure(device, nbytes, reps)
+
 
 
 # ---------------------------------------------------------------------------
 # floors (pure python)
 # ---------------------------------------------------------------------------
-
-def verify_bytes(H: int, q_len: int, bs: int, ctx: int) -> int:
-    """Minimum HBM bytes of one verify call: the latent KV of every request read
-    once (ctx*576 bf16), q read (q_len*H*576 bf16), out written (q_len*H*512 bf16)."""
-    return bs * ctx * D_QK * BF16 + bs * q_len * H * D_QK * BF16 + bs * q_len * H * D_V * BF16
-
-
-def verify_flops(H: int, q_len: int, bs: int, ctx: int) -> int:
-    """FLOP of one verify call: 2*rows*ctx*(576+512), rows = bs*q_len*H."""
-    rows = bs * q_len * H
-    return 2 * rows * ctx * (D_QK + D_V)
-
 
 def floor_us(nbytes: float, flops: float, copy_gbs: float, mma_tflops: float) -> float:
     """Roofline floor in µs: max(bytes / (copy_gbs*1e9), flops / (mma_tflops*1e12))."""
@@ -70,36 +66,6 @@ def verify_floor_us(H: int, q_len: int, bs: int, ctx: int,
 # ---------------------------------------------------------------------------
 # copy bandwidth
 # ---------------------------------------------------------------------------
-
-def copy_bandwidth_gbs(device=None, nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read AND
-    written (2*nbytes per copy): median of `reps` copies timed with CUDA events,
-    after 3 warm-up copies.  Raises RuntimeError without torch/CUDA."""
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"torch not importable: {e}") from None
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA GPU visible to torch")
-    device = torch.device(device if device is not None else "cuda")
-    n = int(nbytes) // 16 * 16
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    src.random_(0, 256)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(reps)]
-    for a, b in evs:
-        a.record()
-        dst.copy_(src)
-        b.record()
-    torch.cuda.synchronize(device)
-    ms = statistics.median(a.elapsed_time(b) for a, b in evs)
-    del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
-
 
 # ---------------------------------------------------------------------------
 # mma.sync rate

@@ -29,7 +29,7 @@ import ceilings  # noqa: E402
 import sglang_baselines as sgl  # noqa: E402
 
 import mlagen  # noqa: E402
-from mlagen.bench import verify_bytes, verify_flops  # noqa: E402
+from mlagen.roofline import verify_bytes, verify_flops  # noqa: E402
 from mlagen.build import build  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.registry import Registry  # noqa: E402

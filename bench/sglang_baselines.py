@@ -57,6 +57,11 @@ What the SGLang kernels actually issue is larger (mostly served by L2):
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # the mlagen package
+
 import importlib
 import importlib.util
 import statistics
@@ -494,24 +499,14 @@ def run_decode(problem: dict, num_kv_splits: int, use_pdl: bool | None = None):
 
 
 def reference_verify(problem: dict, ignore_tree: bool = False):
-    """Plain torch reference in fp32 -> out [T, H, 512] float32.
-    ignore_tree=True gives what run_decode computes (all ctx tokens visible)."""
-    import torch
+    """mlagen's one reference (mlagen.reference) on this problem -> out [T, H, 512] float32.
+    ignore_tree=True gives what run_decode computes (all ctx tokens visible: mask "none")."""
+    from mlagen.reference import mla_verify_reference
+
     p = problem
-    bs, q_len, H, ctx = p["bs"], p["q_len"], p["H"], p["ctx"]
-    prefix = ctx - q_len
-    tree = _dense_tree(p)
-    out = torch.empty((bs * q_len, H, D_V), dtype=torch.float32, device=p["q"].device)
-    for b in range(bs):
-        kv = p["kv_cache"][p["req_to_token"][b].long()].float()  # [ctx, 576]
-        qb = p["q"][b * q_len:(b + 1) * q_len].float()  # [q_len, H, 576]
-        s = torch.einsum("ihd,td->iht", qb, kv) * p["softmax_scale"]
-        if not ignore_tree:
-            vis = torch.ones((q_len, ctx), dtype=torch.bool, device=s.device)
-            vis[:, prefix:] = tree[b]
-            s = s.masked_fill(~vis[:, None, :], float("-inf"))
-        out[b * q_len:(b + 1) * q_len] = torch.einsum(
-            "iht,td->ihd", torch.softmax(s, dim=-1), kv[:, :D_V])
+    out, _lse = mla_verify_reference(p["q"], p["kv_cache"], p["req_to_token"], p["kv_lens"], q_len=p["q_len"],
+                                     page_size=1, softmax_scale=p["softmax_scale"],
+                                     mask="none" if ignore_tree else "tree", tree_mask=p["tree_mask"])
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 
 from mlagen.cases import make_problem
 from mlagen.ops import VerifyKernel
+from mlagen.roofline import verify_bytes, verify_flops
 
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs over at least this many bytes (H200 L2: 50 MB)
 CONTEXTS = (4096, 16384, 65536)
@@ -31,30 +32,31 @@ class Shape:
         return dataclasses.asdict(self)
 
 
-def verify_bytes(heads: int, q_len: int, bs: int, ctx: int, dim_qk: int = 576, dim_v: int = 512) -> int:
-    """Bytes a verify launch must move: KV once + q + out (bf16)."""
-    return bs * ctx * dim_qk * 2 + bs * q_len * heads * dim_qk * 2 + bs * q_len * heads * dim_v * 2
+def copy_bandwidth_gbs(device=None, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read and written
+    (2 * nbytes per copy): median of ``reps`` copies timed with CUDA events after 3 warm-ups.
 
-
-def verify_flops(heads: int, q_len: int, bs: int, ctx: int, dim_qk: int = 576, dim_v: int = 512) -> int:
-    """2 * rows * kv_len * (D_qk + D_v) with rows = bs * q_len * heads."""
-    return 2 * bs * q_len * heads * ctx * (dim_qk + dim_v)
-
-
-def copy_bandwidth_gbs(device="cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), median over ``reps``."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
+    Raises:
+        RuntimeError: no CUDA GPU visible to torch.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU visible to torch")
+    device = torch.device(device if device is not None else "cuda")
+    n = int(nbytes) // 16 * 16
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        b.copy_(a)
+        dst.copy_(src)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * nbytes / statistics.median(times) / 1e9
+    return 2 * n / statistics.median(times) / 1e9
 
 
 def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:

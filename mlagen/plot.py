@@ -38,7 +38,7 @@ def plot_time_vs_context(series: dict[str, list[tuple[int, float]]], path: str, 
 
 def plot_bench(results, path: str, copy_gbs: float) -> None:
     """Plot ``mlagen bench`` results ([(uri, Shape, result dict, frac)]): one line per (variant, bs)."""
-    from mlagen.bench import verify_bytes
+    from mlagen.roofline import verify_bytes
 
     series: dict[str, list] = {}
     floor: dict[int, float] = {}
