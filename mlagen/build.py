@@ -127,6 +127,18 @@ def _registered(reg: Registry, job: _Job) -> list[BuiltVariant] | None:
     return out
 
 
+def _split_registered(reg: Registry, jobs: list[_Job]) -> tuple[list[BuiltVariant], list[_Job]]:
+    """(variants already registered with the same source hash, jobs still to build)."""
+    built, todo = [], []
+    for j in jobs:
+        hit = _registered(reg, j)
+        if hit:
+            built += hit
+        else:
+            todo.append(j)
+    return built, todo
+
+
 def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
           on_progress: Callable[[int, int, str], None] | None = None, registry: Registry | None = None) -> BuildReport:
     """Generate and compile every feasible variant of ``spec`` matching ``kernels`` (uri glob).
@@ -140,27 +152,15 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     selected = filter_by_glob(spec.variants(), kernels)
     feasible, infeasible = feasibility.split_feasible(selected)
     all_jobs = generate(feasible)
-    built: list[BuiltVariant] = []
     failed: list[tuple[Variant, str]] = []
-    todo = []
-    for j in all_jobs:
-        hit = _registered(reg, j)
-        if hit:
-            built += hit
-        else:
-            todo.append(j)
+    built, todo = _split_registered(reg, all_jobs)
     if todo:
         paths.lock_dir().mkdir(parents=True, exist_ok=True)
         with ExitStack() as stack:
             for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
                 stack.enter_context(FileLock(str(paths.lock_dir() / f"{j.key}.lock")))
-            still = []
-            for j in todo:  # second check: another process may have built it meanwhile
-                hit = _registered(reg, j)
-                if hit:
-                    built += hit
-                else:
-                    still.append(j)
+            hits, still = _split_registered(reg, todo)  # second check: another process may have built it
+            built += hits
             if still:
                 b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), on_progress, reg)
                 built += b2

@@ -216,15 +216,9 @@ def _parents(q_len, tree, gen):
 
 
 def _full_mask(parents, L):
-    q = len(parents)
-    m = torch.zeros(q, L + q, dtype=torch.bool)
-    m[:, :L] = True
-    for i in range(q):
-        j = i
-        while j >= 0:
-            m[i, L + j] = True
-            j = parents[j]
-    return m.reshape(-1)
+    from sglang_masks import full_mask_from_parents
+
+    return full_mask_from_parents(parents, L).reshape(-1)
 
 
 class _Batch:

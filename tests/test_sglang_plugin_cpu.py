@@ -177,17 +177,7 @@ def test_arch_mismatch():
 
 
 # ----------------------------------------------------------------------------- metadata builders
-def _full_mask_from_parents(parents, L):
-    """FULL_MASK block [q, L+q] of one request for a draft tree given by parent indices."""
-    q = len(parents)
-    m = torch.zeros(q, L + q, dtype=torch.bool)
-    m[:, :L] = True
-    for i in range(q):
-        j = i
-        while j >= 0:
-            m[i, L + j] = True
-            j = parents[j]
-    return m
+from sglang_masks import full_mask_from_parents as _full_mask_from_parents  # noqa: E402
 
 
 def test_pack_full_mask_matches_tree():
