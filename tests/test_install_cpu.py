@@ -1,0 +1,74 @@
+"""`mlagen install` selection logic on a registry filled by hand (no GPU, no build)."""
+
+import pytest
+from click.testing import CliRunner
+
+from mlagen.cli import main
+from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
+from mlagen.registry import Registry
+from mlagen.spec import parse_spec
+
+SPEC = parse_spec(dict(name="inst", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=[16, 32]))
+
+
+def _register(reg, v, tmp_path, verified_on="sm_90", passed=True, times=None):
+    so = tmp_path / f"{v.build_key}.so"
+    so.write_bytes(b"")
+    reg.put_variant(uri=v.uri, spec="inst", variant=v.to_dict(), bucket=v.bucket, source_hash="h" + v.uri,
+                    nvcc_version="13.0", archs=list(v.archs), so_path=str(so), build_seconds=1.0, resources={})
+    if verified_on:
+        reg.add_verification(uri=v.uri, source_hash="h" + v.uri, device="H200", arch=verified_on, cases=12,
+                             max_err=0.01, passed=passed)
+    for ctx, us in (times or {}).items():
+        reg.add_benchmark(uri=v.uri, source_hash="h" + v.uri, device="H200", arch="sm_90",
+                          shape=dict(heads=8, q_len=9, batch_size=1, context=ctx, page_size=v.page_size),
+                          median_us=us, gbs=1.0, frac_copy_bw=0.1)
+
+
+def test_picks_fastest_geomean_per_bucket(cache_env, tmp_path):
+    reg = Registry()
+    v16_p1, v32_p1, v16_p64, v32_p64 = SPEC.variants()
+    _register(reg, v16_p1, tmp_path, times={4096: 30.0, 65536: 300.0})
+    _register(reg, v32_p1, tmp_path, times={4096: 40.0, 65536: 150.0})  # geomean 77 < 95: wins
+    _register(reg, v16_p64, tmp_path, times={4096: 20.0, 65536: 100.0})  # wins its bucket
+    _register(reg, v32_p64, tmp_path, passed=False, times={4096: 1.0, 65536: 1.0})  # fast but failed verify
+    chosen = {e["bucket"]: e["uri"] for e in pick_fastest(reg, SPEC, "sm_90")}
+    assert chosen == {v32_p1.bucket: v32_p1.uri, v16_p64.bucket: v16_p64.uri}
+    e = entry_for(reg, v16_p64.uri, "sm_90")
+    assert e["role"] == "verify" and e["heads"] == 8 and e["page_size"] == 64 and e["mask"] == "tree"
+
+
+def test_refuses_other_arch_and_unverified(cache_env, tmp_path):
+    reg = Registry()
+    v = SPEC.variants()[0]
+    _register(reg, v, tmp_path, verified_on="sm_90")
+    with pytest.raises(InstallError, match="verified on sm_90, but the server GPU is sm_120"):
+        entry_for(reg, v.uri, "sm_120")
+    with pytest.raises(InstallError, match="no variant of bucket .* is verified on sm_120"):
+        pick_fastest(reg, SPEC, "sm_120")
+    with pytest.raises(InstallError, match="unknown or unbuilt variant"):
+        entry_for(reg, "mla_verify_nope", "sm_90")
+
+
+def test_merge_replaces_same_bucket_and_drops_other_arch():
+    a = dict(bucket="b1", uri="u1")
+    b = dict(bucket="b2", uri="u2")
+    new = dict(bucket="b1", uri="u3")
+    st = merge_state(dict(arch="sm_90", entries=[a, b]), [new], "sm_90")
+    assert [e["uri"] for e in st["entries"]] == ["u2", "u3"] and st["arch"] == "sm_90"
+    assert merge_state(dict(arch="sm_120", entries=[a, b]), [new], "sm_90")["entries"] == [new]
+
+
+def test_cli_install_status_uninstall(cache_env, tmp_path):
+    reg = Registry()
+    v = SPEC.variants()[0]
+    _register(reg, v, tmp_path)
+    r = CliRunner().invoke(main, ["install", "--arch", "sm_90", "--uri", v.uri])
+    assert r.exit_code == 0, r.output
+    assert f"installed verify {v.bucket}: {v.uri}" in r.output
+    r = CliRunner().invoke(main, ["status"])
+    assert r.exit_code == 0 and v.uri in r.output and "ok" in r.output
+    r = CliRunner().invoke(main, ["uninstall"])
+    assert r.exit_code == 0 and "removed" in r.output
+    r = CliRunner().invoke(main, ["status"])
+    assert "nothing installed" in r.output
