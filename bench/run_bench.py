@@ -76,6 +76,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-sglang", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
+    ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
@@ -83,6 +85,13 @@ def main() -> int:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     grid = SMALL if a.grid == "small" else FULL
+    if a.heads:
+        grid = [g for g in grid if g[0] in {int(x) for x in a.heads.split(",")}]
+    if a.batches:
+        grid = [g for g in grid if g[2] in {int(x) for x in a.batches.split(",")}]
+    if not grid:
+        print("no shape left after --heads / --batches")
+        return 1
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:
         print(f"SGLang columns skipped: {why}")
