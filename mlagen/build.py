@@ -76,7 +76,7 @@ def generate(variants: list[Variant]) -> list[_Job]:
         h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), nvcc_ver)
         o = ninja_gen.variant_outputs(v)
         codegen.write_if_changed(o["source"], src)
-        codegen.write_if_changed(o["ninja"], ninja_gen.variant_ninja(v))
+        codegen.write_if_changed(o["ninja"], ninja_gen.variant_ninja(v, h))
         by_key[v.build_key] = _Job([v], src, h, o)
     return list(by_key.values())
 
@@ -206,6 +206,7 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, on_progress, reg: Regis
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
         shutil.copyfile(so, tmp)
         os.replace(tmp, dest)
+        reg.drop_stale_build(j.key, j.source_hash)  # nsplit siblings built from older sources
         for v in j.variants:
             reg.put_variant(uri=v.uri, spec=spec.name, variant=v.to_dict(), bucket=v.bucket,
                             source_hash=j.source_hash, nvcc_version=ninja_gen.nvcc_version(), archs=list(v.archs),

@@ -42,12 +42,36 @@ def _gpu_available() -> tuple[bool, str]:
     return True, torch.cuda.get_device_name()
 
 
+def _device_arch() -> str:
+    """mlagen arch key of the current GPU; ClickException for an arch mlagen does not build."""
+    import torch
+
+    from mlagen.tables import arch_of_capability
+
+    try:
+        return arch_of_capability(*torch.cuda.get_device_capability())
+    except KeyError as e:
+        raise click.ClickException(str(e).strip("'\"")) from None
+
+
 def _print_infeasible(infeasible) -> None:
     for v, reason in infeasible:
         console.print(f"[yellow]dropped[/] {v.uri}: {reason}")
 
 
-@click.group()
+class _Group(click.Group):
+    """Maps environment failures (unreadable cache, corrupt registry) to one-line errors."""
+
+    def invoke(self, ctx):
+        import sqlite3
+
+        try:
+            return super().invoke(ctx)
+        except (OSError, sqlite3.DatabaseError) as e:
+            raise click.ClickException(f"{type(e).__name__}: {e} (check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR)") from None
+
+
+@click.group(cls=_Group)
 @click.version_option(__version__, prog_name="mlagen")
 def main() -> None:
     """Generate, build, verify and benchmark specialized MLA verify-attention kernels."""
@@ -125,12 +149,11 @@ def _verify(uris: list[str], quick: bool) -> int:
 
     from mlagen.ops import load_variant
     from mlagen.registry import Registry
-    from mlagen.tables import arch_of_capability
     from mlagen.verify import verify_kernel, summarize
 
     reg = Registry()
     dev = torch.cuda.get_device_name()
-    arch = arch_of_capability(*torch.cuda.get_device_capability())
+    arch = _device_arch()
     done_keys: dict[str, tuple] = {}
     table = Table("variant", "cases", "max |err|", "max lse err", "result", title=f"verify on {dev}")
     failures = 0
@@ -164,11 +187,10 @@ def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
     from mlagen import bench as bm
     from mlagen.ops import load_variant
     from mlagen.registry import Registry
-    from mlagen.tables import arch_of_capability
 
     reg = Registry()
     dev = torch.cuda.get_device_name()
-    arch = arch_of_capability(*torch.cuda.get_device_capability())
+    arch = _device_arch()
     contexts = contexts or bm.CONTEXTS
     batches = batches or bm.BATCHES
     verified = []
@@ -314,14 +336,27 @@ def show(uri: str) -> None:
 @click.confirmation_option("--yes", prompt="Delete generated sources?")
 def clean(all_: bool) -> None:
     """Delete generated sources (and with --all the registry and built modules)."""
-    targets = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
-    for t in targets:
-        t = Path(t).resolve()
-        if t in (Path.home().resolve(), Path("/")) or len(t.parts) < 3:
-            raise click.ClickException(f"refusing to delete {t}: check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR")
-        if Path(t).exists():
-            shutil.rmtree(t)
-            console.print(f"removed {t}")
+    removed = _remove_own(paths.generated_dir(), ["mla_verify_*", "build_*.ninja", ".ninja_log", ".ninja_deps"])
+    if all_:
+        removed += _remove_own(paths.cache_dir(), ["registry.sqlite", "lib", "locks", "installed.json", "generated"])
+    console.print(f"removed {removed} item(s)" if removed else "nothing to remove")
+
+
+def _remove_own(root: Path, patterns: list[str]) -> int:
+    """Delete only mlagen's own entries (by name pattern) directly under ``root``; never ``root`` itself."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    n = 0
+    for pat in patterns:
+        for p in root.glob(pat):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            console.print(f"removed {p}")
+            n += 1
+    return n
 
 
 def _server_arch(arch: str | None) -> str:
@@ -330,11 +365,7 @@ def _server_arch(arch: str | None) -> str:
     ok, why = _gpu_available()
     if not ok:
         raise click.ClickException(f"cannot detect the server GPU ({why}); pass --arch sm_120 or --arch sm_90")
-    import torch
-
-    from mlagen.tables import arch_of_capability
-
-    return arch_of_capability(*torch.cuda.get_device_capability())
+    return _device_arch()
 
 
 @main.command()
@@ -351,15 +382,25 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
         raise click.ClickException("give a SPEC or at least one --uri")
     arch = _server_arch(arch)
     reg = Registry()
+    if spec_path and uris:
+        raise click.ClickException("give a SPEC or --uri, not both")
     try:
-        entries = [entry_for(reg, u, arch) for u in uris] if uris else pick_fastest(reg, _spec(spec_path), arch)
+        entries = ([entry_for(reg, u, arch) for u in dict.fromkeys(uris)] if uris
+                   else pick_fastest(reg, _spec(spec_path), arch))
     except InstallError as e:
         raise click.ClickException(str(e)) from None
+    buckets = [e["bucket"] for e in entries]
+    dup = sorted({b for b in buckets if buckets.count(b) > 1})
+    if dup:
+        raise click.ClickException(f"more than one --uri for bucket {dup[0]}: install one variant per bucket")
     try:
         old = read_installed()
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
-    path = write_installed(merge_state(old, entries, arch))
+    try:
+        path = write_installed(merge_state(old, entries, arch))
+    except InstalledStateError as e:
+        raise click.ClickException(str(e)) from None
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")

@@ -60,9 +60,9 @@ def render_variant(v: Variant) -> str:
 
 
 def headers_digest() -> str:
-    """sha256 over every kernel header under include/ (they are part of each variant's source)."""
+    """sha256 over every file under include/ (the kernel headers are part of each variant's source)."""
     h = hashlib.sha256()
-    for p in sorted(paths.INCLUDE_DIR.rglob("*.cuh")):
+    for p in sorted(f for f in paths.INCLUDE_DIR.rglob("*") if f.is_file()):
         h.update(p.relative_to(paths.INCLUDE_DIR).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()
@@ -77,6 +77,12 @@ def source_hash(source: str, flags: list[str], nvcc_version: str) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_if_changed(path: Path, text: str) -> bool:
     """Write ``text`` to ``path`` only if it differs from the current content. Returns True if written."""
     path = Path(path)
@@ -89,5 +95,6 @@ def write_if_changed(path: Path, text: str) -> bool:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # unique: concurrent writers
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; keep the usual mode for shared caches
     os.replace(tmp, path)
     return True

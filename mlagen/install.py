@@ -54,17 +54,19 @@ def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:
                 entry = entry_for(reg, v.uri, arch)
             except InstallError:
                 continue
+            src = reg.get_variant(v.uri)["source_hash"]
             times = {tuple(sorted(b["shape"].items())): b["median_us"] for b in reg.benchmarks(v.uri)
-                     if b["arch"] == arch}
+                     if b["arch"] == arch and b["source_hash"] == src}
             cands.append((v, entry, times))
         if not cands:
             raise InstallError(f"no variant of bucket {bucket} is verified on {arch}: run "
                                f"`mlagen build {spec.source}` on a {arch} GPU machine")
-        common = set.intersection(*(set(t) for _, _, t in cands)) if all(t for _, _, t in cands) else set()
+        timed = [c for c in cands if c[2]]
+        common = set.intersection(*(set(t) for _, _, t in timed)) if timed else set()
         if common:
-            best = min(cands, key=lambda c: _geomean([c[2][s] for s in common]))
+            best = min(timed, key=lambda c: _geomean([c[2][s] for s in common]))
         else:
-            best = cands[0]  # verified but never benchmarked: take the first
+            best = timed[0] if timed else cands[0]  # verified but never benchmarked: take the first
         chosen.append(best[1])
     return chosen
 

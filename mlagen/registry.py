@@ -79,6 +79,17 @@ class Registry:
             out = [r for r in out if fnmatch.fnmatchcase(r["uri"], pattern)]
         return out
 
+    def drop_stale_build(self, build_key: str, source_hash: str) -> int:
+        """Delete variants compiled into module ``build_key`` from another source hash (they would
+        point at an older .so). Returns how many rows went."""
+        from mlagen.spec import Variant
+
+        stale = [r["uri"] for r in self.variants()
+                 if r["source_hash"] != source_hash and Variant.from_dict(r["variant"]).build_key == build_key]
+        with self._conn() as c:
+            c.executemany("DELETE FROM variants WHERE uri=?", [(u,) for u in stale])
+        return len(stale)
+
     def delete_variant(self, uri: str) -> None:
         with self._conn() as c:
             c.execute("DELETE FROM variants WHERE uri=?", (uri,))

@@ -258,7 +258,7 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
     if not archs_raw:
         raise SpecError(f"spec key 'arch': empty list; allowed: {', '.join(ARCHS)}")
     for a in archs_raw:
-        if a not in ARCHS:
+        if not isinstance(a, str) or a not in ARCHS:
             raise SpecError(f"spec key 'arch': value {a!r} not allowed; allowed: {', '.join(ARCHS)}")
     archs = tuple(dict.fromkeys(archs_raw))
 
@@ -294,6 +294,8 @@ def load_spec(path: str | Path) -> Spec:
         text = path.read_text()
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"cannot read spec {path}: not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -112,3 +112,15 @@ def test_failed_build_registers_nothing(cache_env, monkeypatch):
     assert Registry().variants() == []
     with pytest.raises(b.BuildError, match="deliberately broken"):
         b.build_variants(spec)
+
+
+def test_build_id_in_ninja_command_and_all_include_files_hashed(cache_env, tmp_path, monkeypatch):
+    assert "-DMLAGEN_BUILD_ID=0123456789abcdef" in ninja_gen.variant_ninja(V, "0123456789abcdef" + "0" * 48)
+    inc = tmp_path / "inc"
+    (inc / "mlagen").mkdir(parents=True)
+    (inc / "mlagen" / "a.cuh").write_text("x")
+    (inc / "mlagen" / "b.h").write_text("y")
+    monkeypatch.setattr(codegen.paths, "INCLUDE_DIR", inc)
+    d1 = codegen.headers_digest()
+    (inc / "mlagen" / "b.h").write_text("z")
+    assert codegen.headers_digest() != d1

@@ -91,3 +91,32 @@ def test_status_with_corrupt_state(runner, cache_env):
     (d / "installed.json").write_text("{not json")
     r = runner.invoke(main, ["status"])
     assert r.exit_code == 1 and "Traceback" not in r.output and "installed.json" in r.output
+
+
+def test_clean_deletes_only_mlagen_files(runner, cache_env):
+    gen = cache_env / "generated"
+    (gen / "mla_verify_x").mkdir(parents=True)
+    (gen / "build_a_1.ninja").write_text("")
+    (gen / "precious.txt").write_text("keep me")
+    r = runner.invoke(main, ["clean", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert not (gen / "mla_verify_x").exists() and not (gen / "build_a_1.ninja").exists()
+    assert (gen / "precious.txt").read_text() == "keep me"
+
+
+def test_environment_errors_are_one_line(runner, cache_env, monkeypatch):
+    bad = cache_env / "afile"
+    bad.write_text("x")
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(bad))
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 1 and "check MLAGEN_CACHE_DIR" in r.output and "Traceback" not in r.output
+
+
+def test_spec_arch_not_a_string_and_binary_spec(runner, tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("heads_per_rank: 8\nq_len: 9\narch: [[sm_90]]\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1 and "spec key 'arch'" in r.output
+    p.write_bytes(b"\xff\xfe\x00bad")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1 and "not UTF-8" in r.output

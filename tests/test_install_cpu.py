@@ -72,3 +72,20 @@ def test_cli_install_status_uninstall(cache_env, tmp_path):
     assert r.exit_code == 0 and "removed" in r.output
     r = CliRunner().invoke(main, ["status"])
     assert "nothing installed" in r.output
+
+
+def test_install_rejects_two_uris_of_one_bucket_and_ranks_current_benchmarks(cache_env, tmp_path):
+    reg = Registry()
+    v16, v32 = SPEC.variants()[:2]
+    _register(reg, v16, tmp_path, times={4096: 50.0})
+    _register(reg, v32, tmp_path, times={4096: 100.0})
+    # a stale benchmark of v32 from an older build must not count
+    reg.add_benchmark(uri=v32.uri, source_hash="old", device="H200", arch="sm_90",
+                      shape=dict(heads=8, q_len=9, batch_size=1, context=4096, page_size=1),
+                      median_us=1.0, gbs=1.0, frac_copy_bw=0.1)
+    one_bucket = parse_spec(dict(name="inst", heads_per_rank=8, q_len=9, page_size=1, nsplit=[16, 32]))
+    assert [e["uri"] for e in pick_fastest(reg, one_bucket, "sm_90")] == [v16.uri]
+    r = CliRunner().invoke(main, ["install", "--arch", "sm_90", "--uri", v16.uri, "--uri", v32.uri])
+    assert r.exit_code == 1 and "more than one --uri for bucket" in r.output
+    r = CliRunner().invoke(main, ["install", "--arch", "sm_90", "--uri", v16.uri, "--uri", v16.uri])
+    assert r.exit_code == 0, r.output
