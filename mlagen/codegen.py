@@ -44,7 +44,7 @@ def template_context(v: Variant) -> dict:
         kv_lora_rank=int(v.kv_lora_rank),
         qk_rope_head_dim=int(v.qk_rope_head_dim),
         page_size=int(v.page_size),
-        load_width=int(v.load_width),
+        load_width=0 if v.load_width == "bulk" else int(v.load_width),  # 0 = bulk copies
         block_n=int(v.block_n),
         num_warps=int(v.num_warps),
         row_tiles=int(v.row_tiles),

@@ -35,10 +35,12 @@ def resources(v: Variant) -> Resources:
     smem_kv = v.stages * v.block_n * kv_row * 2
     n_groups = v.block_n // 16
     k_groups = max(1, v.num_warps // max(1, n_groups))
-    smem_s = k_groups * v.rows_per_cta * v.block_n * 4
+    smem_s = k_groups * v.rows_per_cta * (v.block_n + 8) * 4  # rows padded by 8 floats (bank spread)
     smem_p = v.rows_per_cta * (v.block_n + 8) * 2
     smem_stats = 3 * v.rows_per_cta * 4
-    smem_slots = v.stages * v.block_n * 8
+    bulk = v.load_width == "bulk"
+    smem_slots = 0 if bulk else v.stages * v.block_n * 8  # cp.async: slot ring; bulk: one mbarrier per stage
+    smem_slots += v.stages * 8 if bulk else 0
     k_steps = dim_qk // 16
     ks_per_warp = -(-k_steps // k_groups)
     regs_q = v.row_tiles * ks_per_warp * 4
@@ -55,6 +57,8 @@ def infeasible_reason(v: Variant) -> str | None:
             return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
     if (v.dim_v // v.num_warps) % 16:
         return f"kv_lora_rank / num_warps = {v.dim_v / v.num_warps:g} dims is not a multiple of 16"
+    if v.load_width == "bulk" and v.block_n > 64:
+        return f"load_width bulk: warp 0 issues at most 64 tokens per tile, block_n is {v.block_n}"
     if v.block_n % SOFTMAX_LANES:
         return f"block_n {v.block_n} does not divide by {SOFTMAX_LANES} softmax lanes"
     if v.num_warps % (v.block_n // 16):

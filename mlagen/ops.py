@@ -108,7 +108,7 @@ class VerifyKernel:
         """
         v = self.variant
         D, DV, H = v.dim_qk, v.dim_v, v.heads
-        lw_bytes = v.load_width // 8
+        lw_bytes = 16 if v.load_width == "bulk" else v.load_width // 8
         if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
             raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
         if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
@@ -134,7 +134,7 @@ class VerifyKernel:
             raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
         if kv2.stride(1) != 1 or (kv2.stride(0) * 2) % lw_bytes or kv2.data_ptr() % lw_bytes:
             raise ValueError(
-                f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for {v.load_width}-bit loads; "
+                f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for load_width {v.load_width}; "
                 f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
         _check(block_table, "block_table", torch.int32, ndim=2)
         if block_table.stride(1) != 1:

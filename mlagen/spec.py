@@ -74,7 +74,7 @@ PARAMS: dict[str, Param] = {
         Param("qk_rope_head_dim", int, lo=0, hi=128, default=64),
         Param("page_size", int, allowed=tuple(_POW2_PAGES), default=1),
         Param("nsplit", int, lo=1, hi=256, default="auto", extra=("auto",)),
-        Param("load_width", int, allowed=(32, 64, 128), default=128),
+        Param("load_width", int, allowed=(32, 64, 128), default=128, extra=("bulk",)),  # bits per cp.async, or one cp.async.bulk per token row
         Param("block_n", int, allowed=(16, 32, 64), default=16),
         Param("num_warps", int, allowed=(4, 8, 16), default=8),
         Param("row_tiles", int, lo=1, hi=8, default=2),
@@ -90,7 +90,7 @@ DEFAULT_ARCHS = ("sm_120", "sm_90")
 
 _URI_RE = __import__("re").compile(
     r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
-    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)"
+    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)"
     r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16)_(?P<archs>sm\d+(?:_sm\d+)*)"
 )
 
@@ -105,7 +105,7 @@ class Variant:
     qk_rope_head_dim: int
     page_size: int
     nsplit: int | str
-    load_width: int
+    load_width: int | str  # 32 / 64 / 128 bits per cp.async, or "bulk"
     block_n: int
     num_warps: int
     row_tiles: int
@@ -177,7 +177,7 @@ class Variant:
         archs = tuple("sm_" + a[2:] for a in g["archs"].split("_"))
         ns = g["ns"]
         return cls(heads=int(g["h"]), q_len=int(g["q"]), kv_lora_rank=int(g["kv"]), qk_rope_head_dim=int(g["rope"]),
-                   page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=int(g["lw"]),
+                   page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=g["lw"] if g["lw"] == "bulk" else int(g["lw"]),
                    block_n=int(g["bn"]), num_warps=int(g["w"]), row_tiles=int(g["rt"]), stages=int(g["st"]),
                    mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"])
 
@@ -266,10 +266,11 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
         for rope in values["qk_rope_head_dim"]:
             dim = rank + rope
             for lw in values["load_width"]:
-                if (dim * 16) % lw:
+                if (dim * 16) % (128 if lw == "bulk" else lw):
                     ok = [w for w in PARAMS["load_width"].allowed if (dim * 16) % w == 0]
+                    ok += ["bulk"] if (dim * 16) % 128 == 0 else []
                     raise SpecError(
-                        f"spec key 'load_width': {lw}-bit loads do not divide a {dim}-dim bf16 row "
+                        f"spec key 'load_width': {lw if lw != 'bulk' else 'bulk (16-byte)'}{'-bit' if lw != 'bulk' else ''} loads do not divide a {dim}-dim bf16 row "
                         f"(kv_lora_rank {rank} + qk_rope_head_dim {rope}); allowed: {', '.join(map(str, ok)) or 'none'}"
                     )
             if dim % 16:

@@ -47,10 +47,15 @@ struct MlaVerifyConfig {
   static constexpr int kDimVPerWarp = kDimV / kWarps;
   static constexpr int kNTilesO = kDimVPerWarp / 8;
 
-  // Global loads: kLoadBytes per cp.async.
-  static constexpr int kLoadBytes = kLoadBits_ / 8;
+  // Global loads. kLoadBits_ = 32/64/128: every thread issues cp.async of kLoadBytes per chunk.
+  // kLoadBits_ = 0 ("bulk"): lane n of warp 0 copies token n's whole 576-dim row with one
+  // cp.async.bulk (TMA engine, no tensor map), completion counted on a per-stage mbarrier.
+  static constexpr bool kBulkLoad = kLoadBits_ == 0;
+  static constexpr int kLoadBytes = kBulkLoad ? 16 : kLoadBits_ / 8;
   static constexpr int kLoadElems = kLoadBytes / 2;
   static constexpr int kChunksPerRow = kDimQK / kLoadElems;
+  static constexpr int kRowBytes = kDimQK * 2;                 // one token's K row in global memory
+  static constexpr int kTokensPerLane = (kBlockN + 31) / 32;  // bulk: tokens each loader lane issues
 
   // Softmax: 8 threads per row.
   static constexpr int kSoftmaxLanes = 8;
@@ -61,12 +66,17 @@ struct MlaVerifyConfig {
   // 16 B units per row makes the 8 row addresses of an ldmatrix hit distinct bank groups.
   static constexpr int kKvRowElems = kDimQK + 8;
   static constexpr int kPRowElems = kBlockN + 8;
+  // Partial-score rows padded by 8 floats: the 8 fragment rows g of a float2 store land on
+  // distinct banks (row stride = 8 mod 32 banks), and a softmax lane group reads one row.
+  static constexpr int kSRowFloats = kBlockN + 8;
   static constexpr int kSmemKv = kStages * kBlockN * kKvRowElems * 2;
-  static constexpr int kSmemS = kKGroups * kRowsPerCta * kBlockN * 4;
+  static constexpr int kSmemS = kKGroups * kRowsPerCta * kSRowFloats * 4;
   static constexpr int kSmemP = kRowsPerCta * kPRowElems * 2;
   static constexpr int kSmemStats = 3 * kRowsPerCta * 4;
-  static constexpr int kSmemSlots = kStages * kBlockN * 8;  // int64 cache-slot ring, one row per stage
-  static constexpr int kSmemBytes = kSmemKv + kSmemS + kSmemP + kSmemStats + kSmemSlots;
+  // cp.async path: int64 cache-slot ring, one row per stage. Bulk path: one mbarrier per stage.
+  static constexpr int kSmemSlots = kBulkLoad ? 0 : kStages * kBlockN * 8;
+  static constexpr int kSmemBars = kBulkLoad ? kStages * 8 : 0;
+  static constexpr int kSmemBytes = kSmemKv + kSmemS + kSmemP + kSmemStats + kSmemSlots + kSmemBars;
 
   // Registers held per thread across the main loop (estimate, fp32/bf16x2 words).
   static constexpr int kRegsQ = kRowTiles * kKStepsPerWarp * 4;
@@ -76,7 +86,11 @@ struct MlaVerifyConfig {
   static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
   static_assert(kQLenMax >= 1 && kQLenMax <= 64, "q_len must be in [1, 64] (tree mask is a 64-bit row)");
   static_assert(kPageSize >= 1 && (kPageSize & (kPageSize - 1)) == 0, "page_size must be a power of two");
-  static_assert(kLoadBytes == 4 || kLoadBytes == 8 || kLoadBytes == 16, "load_width must be 32, 64 or 128 bits");
+  static_assert(kBulkLoad || kLoadBits_ == 32 || kLoadBits_ == 64 || kLoadBits_ == 128,
+                "load_width must be 32, 64 or 128 bits, or 0 for bulk copies");
+  static_assert(!kBulkLoad || (kRowBytes % 16 == 0 && (kKvRowElems * 2) % 16 == 0),
+                "bulk copies move 16-byte multiples between 16-byte aligned rows");
+  static_assert(!kBulkLoad || kBlockN <= 64, "bulk loader: warp 0 issues at most two tokens per lane");
   static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
   static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");

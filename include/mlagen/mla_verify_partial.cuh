@@ -10,7 +10,9 @@
 // Work split inside a CTA: warp (token group, k group) computes partial scores of all rows over
 // its slice of the 576 dims (its Q slice lives in registers), partials are summed in shared memory, and for
 // P V every warp owns 512 / kWarps output dims of all rows. KV tiles stream through a
-// kStages-deep cp.async ring. Token positions past kv_len are zero-filled, never read.
+// kStages-deep ring, filled either by every thread's cp.async chunks (load_width 32/64/128) or by
+// warp 0 alone with one cp.async.bulk per token row and an mbarrier per stage (load_width bulk).
+// Token positions past kv_len are zero-filled, never read.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -58,8 +60,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   float* m_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemS + Cfg::kSmemP);
   float* l_smem = m_smem + Cfg::kRowsPerCta;
   float* alpha_smem = l_smem + Cfg::kRowsPerCta;
-  // Cache slot of each token of the tiles in flight: slot_smem[(tile - tile_begin) % kStages][n], -1 past kv_len.
+  // cp.async path: cache slot of each token of the tiles in flight, slot_smem[(tile - tile_begin) % kStages][n],
+  // -1 past kv_len. Bulk path: full_bar[stage] completes when the stage's rows have landed.
   int64_t* slot_smem = reinterpret_cast<int64_t*>(alpha_smem + Cfg::kRowsPerCta);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemS + Cfg::kSmemP +
+                                                   Cfg::kSmemStats + Cfg::kSmemSlots);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -120,15 +125,73 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     }
   };
 
-  // Prologue: slots of the first kStages tiles, then the first kStages - 1 tiles in flight.
-  for (int st = 0; st < Cfg::kStages; ++st) {
-    if (tid < Cfg::kBlockN) ring(tile_begin + st)[tid] = tile_begin + st < tile_end ? slot_of(tile_begin + st) : -1;
-  }
-  __syncthreads();
+  // ---- bulk loader (warp 0): lane n copies token n (and n + 32) of a tile with one cp.async.bulk.
+  // Rows past kv_len (last tile of the request only) are zeroed with plain stores; the
+  // __syncthreads of a later iteration makes them visible before the tile is consumed.
+  auto bulk_slot = [&](int tile, int j) -> int64_t {
+    const int n = lane + 32 * j;
+    const int pos = tile * Cfg::kBlockN + n;
+    if (n >= Cfg::kBlockN || pos >= kv_len) return -1;
+    const int64_t page = page_row[pos / Cfg::kPageSize];
+    return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+  };
+  auto bulk_load_tile = [&](int tile, const int64_t (&slots)[Cfg::kTokensPerLane]) {
+    const int stage = (tile - tile_begin) % Cfg::kStages;
+    __nv_bfloat16* dst_stage = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
+    const int left = kv_len - tile * Cfg::kBlockN;
+    const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
+    if (valid < Cfg::kBlockN) {
 #pragma unroll
-  for (int st = 0; st < Cfg::kStages - 1; ++st) {
-    if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st);
-    ptx::cp_async_commit();
+      for (int j = 0; j < Cfg::kTokensPerLane; ++j) {
+        const int n = lane + 32 * j;
+        if (n < Cfg::kBlockN && n >= valid) {
+          uint4* row = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems);
+          for (int c = 0; c < Cfg::kKvRowElems * 2 / 16; ++c) row[c] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      ptx::fence_proxy_async_smem();  // these rows may be bulk-written again later
+    }
+    if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kRowBytes);
+#pragma unroll
+    for (int j = 0; j < Cfg::kTokensPerLane; ++j) {
+      const int n = lane + 32 * j;
+      if (n < valid) {
+        ptx::bulk_copy_g2s(dst_stage + n * Cfg::kKvRowElems, p.kv + slots[j] * p.kv_stride_slot, Cfg::kRowBytes,
+                           full_bar + stage);
+      }
+    }
+  };
+  int64_t slot_next[Cfg::kTokensPerLane];  // bulk: slots of the next tile to issue (warp 0)
+
+  // Prologue: slots of the first kStages tiles, then the first kStages - 1 tiles in flight.
+  if constexpr (Cfg::kBulkLoad) {
+    if (tid == 0) {
+      for (int st = 0; st < Cfg::kStages; ++st) ptx::mbarrier_init(full_bar + st, 1);
+      ptx::fence_barrier_init();
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int st = 0; st < Cfg::kStages - 1; ++st) {
+        if (tile_begin + st < tile_end) {
+#pragma unroll
+          for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = bulk_slot(tile_begin + st, j);
+          bulk_load_tile(tile_begin + st, slot_next);
+        }
+      }
+      const int first_ahead = tile_begin + Cfg::kStages - 1;
+#pragma unroll
+      for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = first_ahead < tile_end ? bulk_slot(first_ahead, j) : -1;
+    }
+  } else {
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      if (tid < Cfg::kBlockN) ring(tile_begin + st)[tid] = tile_begin + st < tile_end ? slot_of(tile_begin + st) : -1;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int st = 0; st < Cfg::kStages - 1; ++st) {
+      if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st);
+      ptx::cp_async_commit();
+    }
   }
 
   // ---- Q slice of this warp in registers, as mma A fragments: q_frag[row tile][k step][4].
@@ -186,16 +249,28 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
 
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = (tile - tile_begin) % Cfg::kStages;
-    ptx::cp_async_wait<Cfg::kStages - 2>();
-    __syncthreads();
-    {  // refill the stage consumed in the previous iteration
-      const int next = tile + Cfg::kStages - 1;
-      if (next < tile_end) load_kv_tile(next);
-      ptx::cp_async_commit();
-    }
-    // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
     const int ahead = tile + Cfg::kStages;
-    const int64_t ahead_slot = ahead < tile_end ? slot_of(ahead) : -1;
+    int64_t ahead_slot = -1;
+    if constexpr (Cfg::kBulkLoad) {
+      ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
+      __syncthreads();  // every warp is done with the stage refilled below
+      const int next = tile + Cfg::kStages - 1;
+      if (warp == 0 && next < tile_end) {
+        bulk_load_tile(next, slot_next);
+#pragma unroll
+        for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = ahead < tile_end ? bulk_slot(ahead, j) : -1;
+      }
+    } else {
+      ptx::cp_async_wait<Cfg::kStages - 2>();
+      __syncthreads();
+      {  // refill the stage consumed in the previous iteration
+        const int next = tile + Cfg::kStages - 1;
+        if (next < tile_end) load_kv_tile(next);
+        ptx::cp_async_commit();
+      }
+      // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
+      ahead_slot = ahead < tile_end ? slot_of(ahead) : -1;
+    }
     const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
 
     // ---- partial scores over this warp's k slice: s_frag[row tile][n8 tile][4]
@@ -222,20 +297,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    float* s_mine = s_part_smem + k_group * (Cfg::kRowsPerCta * Cfg::kBlockN);
+    float* s_mine = s_part_smem + k_group * (Cfg::kRowsPerCta * Cfg::kSRowFloats);
 #pragma unroll
     for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
         const int c = n_group * 16 + nt * 8 + 2 * t4;
-        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g) * Cfg::kBlockN + c) =
+        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g) * Cfg::kSRowFloats + c) =
             make_float2(s_frag[mt][nt][0], s_frag[mt][nt][1]);
-        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kBlockN + c) =
+        *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kSRowFloats + c) =
             make_float2(s_frag[mt][nt][2], s_frag[mt][nt][3]);
       }
     __syncthreads();
 
-    // ---- online softmax: 8 lanes per row, kColsPerLane columns each.
+    // ---- online softmax: 8 lanes per row, kColsPerLane columns each. A tile wholly inside the
+    // prefix (every tile but the last one or two of a request) needs no per-key mask test.
+    const bool tile_in_prefix = (tile + 1) * Cfg::kBlockN <= prefix_len;
 #pragma unroll
     for (int r0 = 0; r0 < Cfg::kRowsPerCta; r0 += Cfg::kRowsPerPass) {
       const int r = r0 + tid / Cfg::kSoftmaxLanes;
@@ -245,17 +322,36 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       const int qi = (row0 + r) / Cfg::kHeads;
       const int64_t mask_row = mask_rows[r0 / Cfg::kRowsPerPass];
       float s[Cfg::kColsPerLane];
+#pragma unroll
+      for (int j = 0; j < Cfg::kColsPerLane; ++j) s[j] = 0.f;
+      if (row_live) {  // sum the k-group partial scores, vector loads along the row
+#pragma unroll
+        for (int kg = 0; kg < Cfg::kKGroups; ++kg) {
+          const float* src = s_part_smem + (kg * Cfg::kRowsPerCta + r) * Cfg::kSRowFloats + c0;
+          if constexpr (Cfg::kColsPerLane % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < Cfg::kColsPerLane; j += 4) {
+              const float4 v = *reinterpret_cast<const float4*>(src + j);
+              s[j] += v.x; s[j + 1] += v.y; s[j + 2] += v.z; s[j + 3] += v.w;
+            }
+          } else if constexpr (Cfg::kColsPerLane % 2 == 0) {
+#pragma unroll
+            for (int j = 0; j < Cfg::kColsPerLane; j += 2) {
+              const float2 v = *reinterpret_cast<const float2*>(src + j);
+              s[j] += v.x; s[j + 1] += v.y;
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < Cfg::kColsPerLane; ++j) s[j] += src[j];
+          }
+        }
+      }
       float tile_max = -INFINITY;
 #pragma unroll
       for (int j = 0; j < Cfg::kColsPerLane; ++j) {
-        const int c = c0 + j;
-        float acc = 0.f;
-        if (row_live) {
-#pragma unroll
-          for (int kg = 0; kg < Cfg::kKGroups; ++kg) acc += s_part_smem[(kg * Cfg::kRowsPerCta + r) * Cfg::kBlockN + c];
-        }
-        const bool vis = row_live && key_visible<Cfg>(tile * Cfg::kBlockN + c, kv_len, prefix_len, qi, mask_row);
-        s[j] = vis ? acc * scale_log2 : -INFINITY;
+        const bool vis =
+            row_live && (tile_in_prefix || key_visible<Cfg>(tile * Cfg::kBlockN + c0 + j, kv_len, prefix_len, qi, mask_row));
+        s[j] = vis ? s[j] * scale_log2 : -INFINITY;
         tile_max = fmaxf(tile_max, s[j]);
       }
 #pragma unroll
@@ -329,9 +425,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    if (tid < Cfg::kBlockN) ring(ahead)[tid] = ahead_slot;
+    if constexpr (!Cfg::kBulkLoad) {
+      if (tid < Cfg::kBlockN) ring(ahead)[tid] = ahead_slot;
+    }
   }
-  ptx::cp_async_wait<0>();
+  if constexpr (!Cfg::kBulkLoad) ptx::cp_async_wait<0>();
   __syncthreads();
 
   // ---- epilogue: normalized partial O and its LSE (natural log) for the combine step.

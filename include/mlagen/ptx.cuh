@@ -1,5 +1,6 @@
 // mlagen/ptx.cuh — thin wrappers over the PTX instructions that sm_90 and sm_120 share:
-// cp.async (Ampere+), ldmatrix, mma.sync m16n8k16 bf16 -> fp32. No wgmma, tcgen05 or setmaxnreg.
+// cp.async (Ampere+), cp.async.bulk + mbarrier transaction counts (sm_90+: the 1-D bulk copy of the
+// TMA engine, no tensor map), ldmatrix, mma.sync m16n8k16 bf16 -> fp32. No wgmma, tcgen05 or setmaxnreg.
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16" (warp-level MMA).
 #pragma once
 #include <cstdint>
@@ -32,6 +33,51 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// ---- mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier").
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrive_count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrive_count));
+}
+
+// Makes mbarrier.init visible to the async proxy (the bulk-copy engine signals the barrier).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// One arrival that also expects `tx_bytes` more bytes of bulk-copy transactions in this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(tx_bytes)
+               : "memory");
+}
+
+// Blocks until the phase with parity `phase` of `bar` has completed (acquire at CTA scope).
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(phase)
+      : "memory");
+}
+
+// Bulk copy of `bytes` (multiple of 16; 16-byte aligned addresses) global -> shared; completion
+// is counted on `bar` as transaction bytes (PTX ISA "cp.async.bulk").
+__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
 }
 
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l/8, row l%8.
