@@ -46,12 +46,14 @@ DECODE_SPLITS = (8, 16, 64)
 
 
 def tuning_spec(H: int, q_len: int, ps: int) -> dict:
-    """The per-bucket tile sweep (infeasible combinations are dropped by the generator)."""
+    """The per-bucket tile sweep (infeasible combinations are dropped by the generator). Fixed
+    NSPLIT variants share the auto variant's module (nsplit is a launch argument)."""
     mask = "tree" if q_len > 1 else "causal"
-    rt = [2, 3] if H * q_len >= 32 else [1]
+    rows = H * q_len
+    rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
-                nsplit=["auto", *NSPLIT_SWEEP] if (H, q_len) == (8, 9) else "auto", block_n=[16, 32],
-                stages=[2, 3], row_tiles=rt, num_warps=8, load_width=128)
+                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2], row_tiles=rt, num_warps=8,
+                load_width=["bulk", 128])
 
 
 def mlagen_args(p: dict, k: VerifyKernel):
@@ -134,11 +136,15 @@ def main() -> int:
         best = times[best_uri]
         row = dict(H=H, q_len=q, bs=bs, ctx=ctx, page_size=ps, mlagen_uri=best_uri, mlagen_us=best,
                    gbs=nbytes / best / 1e3, floor_us=floor, frac_floor=floor / best, candidates=times)
-        if (H, q, bs, ps) == (8, 9, 1, 1):  # NSPLIT sweep with the winning tile config
-            bk = [k for k in kernels[(H, q, ps)] if k.variant.uri == best_uri][0].variant.build_key
-            for k in kernels[(H, q, ps)]:
-                if k.variant.build_key == bk and k.variant.nsplit != "auto":
-                    sweep.append(dict(ctx=ctx, nsplit=k.variant.nsplit, us=time_mlagen(p, k)))
+        # fixed NSPLIT with the winning tile config, at every shape: auto must be within 10 % of the best
+        bk = [k for k in kernels[(H, q, ps)] if k.variant.uri == best_uri][0].variant.build_key
+        fixed = {k.variant.nsplit: time_mlagen(p, k) for k in kernels[(H, q, ps)]
+                 if k.variant.build_key == bk and k.variant.nsplit != "auto"}
+        if fixed:
+            ns_best = min(fixed, key=fixed.get)
+            row.update(nsplit_fixed_us=fixed, best_fixed_nsplit=ns_best, auto_over_best_fixed=best / fixed[ns_best])
+        if (H, q, bs, ps) == (8, 9, 1, 1):  # the NSPLIT sweep shown in the output
+            sweep.extend(dict(ctx=ctx, nsplit=ns, us=us) for ns, us in fixed.items())
             sweep.append(dict(ctx=ctx, nsplit="auto", us=best))
         if ok_sgl:
             try:
@@ -159,6 +165,8 @@ def main() -> int:
                 row["sglang_error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
         print(_fmt(row), flush=True)
+        # partial record after every shape: a job cut short by its time limit still leaves its rows
+        (out_dir / "bench.json").write_text(json.dumps(dict(partial=True, ceilings=ceil, rows=rows, nsplit_sweep=sweep), indent=1))
         del p
         torch.cuda.empty_cache()
 
@@ -174,12 +182,15 @@ def main() -> int:
 
 
 def _fmt(r: dict) -> str:
-    s = (f"H={r['H']:3d} q={r['q_len']} bs={r['bs']:2d} ctx={r['ctx']:6d} ps={r['page_size']:2d} | mlagen "
+    tile = r["mlagen_uri"].split("_ns")[1].split("_", 1)[1].rsplit("_", 4)[0]  # lw.._bn.._w.._rt.._st..
+    s = (f"H={r['H']:3d} q={r['q_len']} bs={r['bs']:2d} ctx={r['ctx']:6d} ps={r['page_size']:2d} | mlagen {tile} "
          f"{r['mlagen_us']:8.1f} us {r['gbs']:6.0f} GB/s {r['frac_floor']:.2f} of floor ({r['floor_us']:.1f} us)")
     if "sglang_verify_us" in r:
         s += f" | triton verify {r['sglang_verify_us']:9.1f} us ({r['sglang_verify_us'] / r['mlagen_us']:6.1f}x)"
     if "sglang_decode_us" in r:
         s += f" | triton split-KV S={r['sglang_decode_splits']} {r['sglang_decode_us']:7.1f} us ({r['sglang_decode_us'] / r['mlagen_us']:5.1f}x)"
+    if "auto_over_best_fixed" in r:
+        s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
     if "max_abs_diff_vs_sglang" in r:
         s += f" | max|diff| {r['max_abs_diff_vs_sglang']:.3g}"
     if "sglang_error" in r:
@@ -188,8 +199,8 @@ def _fmt(r: dict) -> str:
 
 
 def _table(rows, sweep) -> None:
-    print("\n| H | q | bs | ctx | ps | mlagen µs | GB/s | of floor | floor µs | Triton verify µs | speedup | Triton split-KV µs (S) | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| H | q | bs | ctx | ps | mlagen µs | GB/s | of floor | floor µs | Triton verify µs | speedup | Triton split-KV µs (S) | speedup | auto / best fixed NSPLIT |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tv, td, us = r.get("sglang_verify_us"), r.get("sglang_decode_us"), r["mlagen_us"]
         tv_s = "-" if tv is None else f"{tv:.0f}"
@@ -197,7 +208,8 @@ def _table(rows, sweep) -> None:
         td_s = "-" if td is None else f"{td:.0f} ({r['sglang_decode_splits']})"
         td_x = "-" if td is None else f"{td / us:.1f}x"
         print(f"| {r['H']} | {r['q_len']} | {r['bs']} | {r['ctx']} | {r['page_size']} | {us:.1f} | {r['gbs']:.0f} | "
-              f"{r['frac_floor']:.2f} | {r['floor_us']:.1f} | {tv_s} | {tv_x} | {td_s} | {td_x} |")
+              f"{r['frac_floor']:.2f} | {r['floor_us']:.1f} | {tv_s} | {tv_x} | {td_s} | {td_x} | "
+              + (f"{r['auto_over_best_fixed']:.2f} (ns{r['best_fixed_nsplit']})" if "auto_over_best_fixed" in r else "-") + " |")
     if sweep:
         print("\nNSPLIT sweep, H=8 q=9 bs=1 ps=1 (µs):")
         for ctx in sorted({s["ctx"] for s in sweep}):

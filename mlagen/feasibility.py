@@ -57,8 +57,6 @@ def infeasible_reason(v: Variant) -> str | None:
             return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
     if (v.dim_v // v.num_warps) % 16:
         return f"kv_lora_rank / num_warps = {v.dim_v / v.num_warps:g} dims is not a multiple of 16"
-    if v.load_width == "bulk" and v.block_n > 64:
-        return f"load_width bulk: warp 0 issues at most 64 tokens per tile, block_n is {v.block_n}"
     if v.block_n % SOFTMAX_LANES:
         return f"block_n {v.block_n} does not divide by {SOFTMAX_LANES} softmax lanes"
     if v.num_warps % (v.block_n // 16):

@@ -65,30 +65,43 @@ class _MissingKernelModule(types.ModuleType):
         return _missing
 
 
-def _stub_if_missing(*names):
-    import importlib.machinery
+class _MissingKernelFinder:
+    """Meta-path finder that answers every ``<top>.*`` import with a :class:`_MissingKernelModule`
+    (SGLang imports many sgl_kernel submodules at module level but calls none on this path)."""
+
+    def __init__(self, tops):
+        self.tops = set(tops)
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.machinery
+
+        if fullname.split(".")[0] not in self.tops:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        mod = _MissingKernelModule(spec.name)
+        mod.__spec__ = spec
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+def _stub_if_missing(*tops):
+    """Install the stand-in for each top-level package in ``tops`` that is not installed."""
     import importlib.util
     import sys
 
-    for name in names:
-        top = name.split(".")[0]
-        loaded = sys.modules.get(top)
-        if loaded is not None and not isinstance(loaded, _MissingKernelModule):
-            continue  # the real package is imported
-        if loaded is None and importlib.util.find_spec(top) is not None:
-            continue  # the real package is installed
-        for i in range(1, len(name.split(".")) + 1):
-            part = ".".join(name.split(".")[:i])
-            if part not in sys.modules:
-                mod = _MissingKernelModule(part)
-                mod.__spec__ = importlib.machinery.ModuleSpec(part, loader=None, is_package=True)
-                sys.modules[part] = mod
+    missing = [t for t in tops if t not in sys.modules and importlib.util.find_spec(t) is None]
+    if missing:
+        sys.meta_path.append(_MissingKernelFinder(missing))
 
 
 @pytest.fixture(scope="module")
 def sgl():
     """Import SGLang and set up a 1-process world + published runtime context."""
-    _stub_if_missing("sgl_kernel", "sgl_kernel.flash_attn", "sgl_kernel.mamba")
+    _stub_if_missing("sgl_kernel")
     try:
         import sglang  # noqa: F401
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one device call (logs under $OUT, a short summary at the end).
-#   run: bash tools/device_session.sh tests|bench      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
-#   each mode fits one 10-minute device call: tests ≈ 4-6 min, bench ≈ 5-8 min
+#   run: bash tools/device_session.sh tests|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
+#   tests ≈ 4-6 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
+#   grid: HEADS=8 (or 16,64) bench/run_bench.py --grid full for those H, then the SGLang backend test if SGL=1.
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
@@ -12,15 +13,24 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || echo "pip -e: see pip.log"
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
-         echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|ERROR SUMMARY|built [0-9]+ variants|wrote' "$OUT/$name.log" | tail -1)"; }
+         echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|skipped|ERROR SUMMARY|built [0-9]+ variants|wrote' "$OUT/$name.log" | tail -1)"; }
+sglang_test() {
+  step pytest_sglang "${SGL_LIMIT:-240}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \
+    python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py
+  grep -E "mlagen vs triton|Error|error|FAILED|SKIPPED" "$OUT/pytest_sglang.log" | head -30
+}
 MODE=${1:-tests}
 if [ "$MODE" = tests ]; then
-step pytest_kernel 240 python3 -m pytest -m gpu -q tests/test_kernel_gpu.py
-step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
-  mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt2_st2_tree_bf16_sm120_sm90 0 0 quick
-step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+  step pytest_kernel 240 python3 -m pytest -m gpu -q tests/test_kernel_gpu.py
+  step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
+    mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
+  step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+elif [ "$MODE" = grid ]; then
+  [ "${SGL:-0}" = 1 ] && sglang_test
+  step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT"
+  grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
 else
-step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"
-step pytest_sglang 240 python3 -m pytest -m gpu -q -rs tests/test_sglang_backend_gpu.py
-grep -E "^\|" "$OUT/bench_small.log" | tail -25
+  step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"
+  sglang_test
+  grep -E "^\|" "$OUT/bench_small.log" | tail -25
 fi

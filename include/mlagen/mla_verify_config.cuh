@@ -48,14 +48,14 @@ struct MlaVerifyConfig {
   static constexpr int kNTilesO = kDimVPerWarp / 8;
 
   // Global loads. kLoadBits_ = 32/64/128: every thread issues cp.async of kLoadBytes per chunk.
-  // kLoadBits_ = 0 ("bulk"): lane n of warp 0 copies token n's whole 576-dim row with one
-  // cp.async.bulk (TMA engine, no tensor map), completion counted on a per-stage mbarrier.
+  // kLoadBits_ = 0 ("bulk"): each token's whole 576-dim row moves with one cp.async.bulk (TMA
+  // engine, no tensor map), kBulkTokensPerWarp tokens per warp, completion counted on a per-stage mbarrier.
   static constexpr bool kBulkLoad = kLoadBits_ == 0;
   static constexpr int kLoadBytes = kBulkLoad ? 16 : kLoadBits_ / 8;
   static constexpr int kLoadElems = kLoadBytes / 2;
   static constexpr int kChunksPerRow = kDimQK / kLoadElems;
   static constexpr int kRowBytes = kDimQK * 2;                 // one token's K row in global memory
-  static constexpr int kTokensPerLane = (kBlockN + 31) / 32;  // bulk: tokens each loader lane issues
+  static constexpr int kBulkTokensPerWarp = (kBlockN + kWarps - 1) / kWarps;
 
   // Softmax: 8 threads per row.
   static constexpr int kSoftmaxLanes = 8;
@@ -90,7 +90,7 @@ struct MlaVerifyConfig {
                 "load_width must be 32, 64 or 128 bits, or 0 for bulk copies");
   static_assert(!kBulkLoad || (kRowBytes % 16 == 0 && (kKvRowElems * 2) % 16 == 0),
                 "bulk copies move 16-byte multiples between 16-byte aligned rows");
-  static_assert(!kBulkLoad || kBlockN <= 64, "bulk loader: warp 0 issues at most two tokens per lane");
+  static_assert(!kBulkLoad || kBulkTokensPerWarp <= 32, "bulk loader: one token per lane");
   static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
   static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");

@@ -11,7 +11,7 @@
 // its slice of the 576 dims (its Q slice lives in registers), partials are summed in shared memory, and for
 // P V every warp owns 512 / kWarps output dims of all rows. KV tiles stream through a
 // kStages-deep ring, filled either by every thread's cp.async chunks (load_width 32/64/128) or by
-// warp 0 alone with one cp.async.bulk per token row and an mbarrier per stage (load_width bulk).
+// one cp.async.bulk per token row, spread over the warps, and an mbarrier per stage (load_width bulk).
 // Token positions past kv_len are zero-filled, never read.
 #pragma once
 #include <cmath>
@@ -125,43 +125,36 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     }
   };
 
-  // ---- bulk loader (warp 0): lane n copies token n (and n + 32) of a tile with one cp.async.bulk.
-  // Rows past kv_len (last tile of the request only) are zeroed with plain stores; the
+  // ---- bulk loader: token n of a tile belongs to lane n % kBulkTokensPerWarp of warp n / kBulkTokensPerWarp,
+  // which copies its 576-dim row with one cp.async.bulk (the copy engine serializes a warp's bulk
+  // copies, so the tile is spread over all warps). Thread 0 posts the tile's byte count on the
+  // stage's mbarrier. Rows past kv_len (last tile of a request) are zeroed with plain stores; the
   // __syncthreads of a later iteration makes them visible before the tile is consumed.
-  auto bulk_slot = [&](int tile, int j) -> int64_t {
-    const int n = lane + 32 * j;
-    const int pos = tile * Cfg::kBlockN + n;
-    if (n >= Cfg::kBlockN || pos >= kv_len) return -1;
+  const int bulk_n = warp * Cfg::kBulkTokensPerWarp + lane;
+  const bool bulk_lane = lane < Cfg::kBulkTokensPerWarp && bulk_n < Cfg::kBlockN;
+  auto bulk_slot = [&](int tile) -> int64_t {
+    const int pos = tile * Cfg::kBlockN + bulk_n;
+    if (!bulk_lane || pos >= kv_len) return -1;
     const int64_t page = page_row[pos / Cfg::kPageSize];
     return page * Cfg::kPageSize + pos % Cfg::kPageSize;
   };
-  auto bulk_load_tile = [&](int tile, const int64_t (&slots)[Cfg::kTokensPerLane]) {
+  auto bulk_load_tile = [&](int tile, int64_t slot) {
     const int stage = (tile - tile_begin) % Cfg::kStages;
     __nv_bfloat16* dst_stage = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
     const int left = kv_len - tile * Cfg::kBlockN;
     const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
-    if (valid < Cfg::kBlockN) {
-#pragma unroll
-      for (int j = 0; j < Cfg::kTokensPerLane; ++j) {
-        const int n = lane + 32 * j;
-        if (n < Cfg::kBlockN && n >= valid) {
-          uint4* row = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems);
-          for (int c = 0; c < Cfg::kKvRowElems * 2 / 16; ++c) row[c] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-      ptx::fence_proxy_async_smem();  // these rows may be bulk-written again later
-    }
-    if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kRowBytes);
-#pragma unroll
-    for (int j = 0; j < Cfg::kTokensPerLane; ++j) {
-      const int n = lane + 32 * j;
-      if (n < valid) {
-        ptx::bulk_copy_g2s(dst_stage + n * Cfg::kKvRowElems, p.kv + slots[j] * p.kv_stride_slot, Cfg::kRowBytes,
-                           full_bar + stage);
-      }
+    if (tid == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kRowBytes);
+    if (!bulk_lane) return;
+    if (bulk_n < valid) {
+      ptx::bulk_copy_g2s(dst_stage + bulk_n * Cfg::kKvRowElems, p.kv + slot * p.kv_stride_slot, Cfg::kRowBytes,
+                         full_bar + stage);
+    } else {
+      uint4* row = reinterpret_cast<uint4*>(dst_stage + bulk_n * Cfg::kKvRowElems);
+      for (int c = 0; c < Cfg::kKvRowElems * 2 / 16; ++c) row[c] = make_uint4(0u, 0u, 0u, 0u);
+      ptx::fence_proxy_async_smem();  // the row may be bulk-written again later
     }
   };
-  int64_t slot_next[Cfg::kTokensPerLane];  // bulk: slots of the next tile to issue (warp 0)
+  int64_t slot_next = -1;  // bulk: this lane's slot in the next tile to issue
 
   // Prologue: slots of the first kStages tiles, then the first kStages - 1 tiles in flight.
   if constexpr (Cfg::kBulkLoad) {
@@ -170,18 +163,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       ptx::fence_barrier_init();
     }
     __syncthreads();
-    if (warp == 0) {
-      for (int st = 0; st < Cfg::kStages - 1; ++st) {
-        if (tile_begin + st < tile_end) {
-#pragma unroll
-          for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = bulk_slot(tile_begin + st, j);
-          bulk_load_tile(tile_begin + st, slot_next);
-        }
-      }
-      const int first_ahead = tile_begin + Cfg::kStages - 1;
-#pragma unroll
-      for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = first_ahead < tile_end ? bulk_slot(first_ahead, j) : -1;
+    for (int st = 0; st < Cfg::kStages - 1; ++st) {
+      if (tile_begin + st < tile_end) bulk_load_tile(tile_begin + st, bulk_slot(tile_begin + st));
     }
+    const int first_ahead = tile_begin + Cfg::kStages - 1;
+    slot_next = first_ahead < tile_end ? bulk_slot(first_ahead) : -1;
   } else {
     for (int st = 0; st < Cfg::kStages; ++st) {
       if (tid < Cfg::kBlockN) ring(tile_begin + st)[tid] = tile_begin + st < tile_end ? slot_of(tile_begin + st) : -1;
@@ -255,10 +241,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
       __syncthreads();  // every warp is done with the stage refilled below
       const int next = tile + Cfg::kStages - 1;
-      if (warp == 0 && next < tile_end) {
+      if (next < tile_end) {
         bulk_load_tile(next, slot_next);
-#pragma unroll
-        for (int j = 0; j < Cfg::kTokensPerLane; ++j) slot_next[j] = ahead < tile_end ? bulk_slot(ahead, j) : -1;
+        slot_next = ahead < tile_end ? bulk_slot(ahead) : -1;
       }
     } else {
       ptx::cp_async_wait<Cfg::kStages - 2>();
