@@ -8,14 +8,16 @@ pytestmark = pytest.mark.gpu
 SPECS = {
     # the shipped K2 TP8 shape, both page sizes and load widths
     "k2": dict(name="gpu_k2", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 16],
-               load_width=[64, 128], mask="tree"),
-    "k2_bn32": dict(name="gpu_k2_bn32", heads_per_rank=8, q_len=9, page_size=64, nsplit="auto", block_n=32,
-                    stages=2, mask="tree"),
+               load_width=["bulk", 64, 128], mask="tree"),
+    "k2_bn32": dict(name="gpu_k2_bn32", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=32,
+                    stages=2, row_tiles=[1, 2], load_width=["bulk", 128], mask="tree"),
     # extremes of H, other masks, odd q_len
-    "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1),
+    "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
+               load_width=["bulk", 128]),
     "h128": dict(name="gpu_h128", heads_per_rank=128, q_len=2, page_size=1, nsplit="auto", mask="none",
-                 row_tiles=2, num_warps=8, stages=3),
-    "h16": dict(name="gpu_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=3),
+                 row_tiles=2, num_warps=8, stages=3, load_width=["bulk", 128]),
+    "h16": dict(name="gpu_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=3,
+                load_width=["bulk", 128]),
 }
 
 

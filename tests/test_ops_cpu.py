@@ -53,7 +53,7 @@ def _call(k, d, **kw):
         (lambda d: d.update(kv_cache=d["kv_cache"][:, :512]), "kv_cache last dim must be 576"),
         (lambda d: d.update(kv_cache=d["kv_cache"].view(100, 2, 288)), "kv_cache must be [num_slots, 576] or [num_slots, 1, 576]"),
         (lambda d: d.update(kv_cache=torch.randn(101 * 576 + 4).to(torch.bfloat16)[4:].view(101, 576)),
-         "kv_cache rows must be contiguous and 16-byte aligned for 128-bit loads"),
+         "kv_cache rows must be contiguous and 16-byte aligned for load_width 128"),
         (lambda d: d.update(block_table=d["block_table"].long()), "block_table must be torch.int32, got torch.int64"),
         (lambda d: d.update(block_table=d["block_table"][:1]), "block_table has 1 rows for a batch of 2"),
         (lambda d: d.update(kv_lens=d["kv_lens"].long()), "kv_lens must be torch.int32, got torch.int64"),

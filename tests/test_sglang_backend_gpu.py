@@ -48,21 +48,36 @@ def _arch():
     return {9: "sm_90", 12: "sm_120"}.get(major)
 
 
+class _Missing:
+    """Any attribute of a missing compiled package: attribute chains resolve (SGLang reads constants
+    such as ``scalar_types.uint4b8`` at import), every call raises, so a test that really needed the
+    package fails loudly instead of computing garbage."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Missing(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} called, but it is not installed here")
+
+    def __mro_entries__(self, bases):  # allow "class X(sgl_kernel.Base)" at import time
+        return (object,)
+
+
 class _MissingKernelModule(types.ModuleType):
     """Stand-in for a compiled package SGLang only *binds* on the Triton MLA path (sgl_kernel is
-    hundreds of MB and cannot be carried to the GPU machine). Any call raises, so a test that
-    really needed it fails loudly instead of computing garbage."""
+    hundreds of MB and cannot be carried to the GPU machine)."""
 
     __path__: list = []
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-
-        def _missing(*args, **kwargs):
-            raise RuntimeError(f"{self.__name__}.{name} called, but {self.__name__} is not installed here")
-
-        return _missing
+        return _Missing(f"{self.__name__}.{name}")
 
 
 class _MissingKernelFinder:

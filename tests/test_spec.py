@@ -9,13 +9,14 @@ BASE = dict(heads_per_rank=8, q_len=9)
 def test_shipped_specs_parse_and_sweep():
     s = load_spec("specs/kimi-k2-tp8-verify.yaml")
     vs = s.variants()
-    assert len(vs) == 2 * 3 * 2 * 2  # page_size x nsplit x load_width x block_n
-    assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {16, 32, 64}
+    assert len(vs) == 2 * 4 * 2 * 2  # page_size x nsplit x load_width x row_tiles
+    assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {"auto", 16, 32, 64}
+    assert {v.load_width for v in vs} == {"bulk", 128}
     assert all(v.heads == 8 and v.q_len == 9 and v.mask == "tree" for v in vs)
     assert all(v.archs == ("sm_120", "sm_90") for v in vs)
     assert len({v.uri for v in vs}) == len(vs)
     ok, bad = split_feasible(vs)
-    assert len(ok) == 24 and not bad
+    assert len(ok) == 32 and not bad
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
     assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
 
@@ -25,6 +26,8 @@ def test_uri_has_every_parameter_and_round_trips():
     assert v.uri.startswith("mla_verify_h8_q9_kv512_rope64_ps64_nsauto_lw64_bn16_w8_rt2_st3_tree_bf16_sm120_sm90")
     assert Variant.from_uri(v.uri) == v
     assert "_ns" not in v.build_key
+    b = parse_spec(dict(BASE, load_width="bulk")).variants()[0]
+    assert "_lwbulk_" in b.uri and Variant.from_uri(b.uri) == b
     with pytest.raises(ValueError, match="not an mlagen variant uri"):
         Variant.from_uri("mla_verify_h8")
 
@@ -36,7 +39,9 @@ def test_uri_has_every_parameter_and_round_trips():
         (dict(heads_per_rank="eight"), "spec key 'heads_per_rank': expected int, got str 'eight'; allowed: int in [1, 128]"),
         (dict(heads_per_rank=129), "spec key 'heads_per_rank': value 129 out of range; allowed: int in [1, 128]"),
         (dict(page_size=3), "spec key 'page_size': value 3 not allowed; allowed: 1, 2, 4, 8, 16, 32, 64, 128, 256"),
-        (dict(load_width=96), "spec key 'load_width': value 96 not allowed; allowed: 32, 64, 128"),
+        (dict(load_width=96), "spec key 'load_width': value 96 not allowed; allowed: 32, 64, 128 or 'bulk'"),
+        (dict(load_width="tma"), "spec key 'load_width': expected int, got str 'tma'; allowed: 32, 64, 128 or 'bulk'"),
+        (dict(qk_rope_head_dim=4, load_width="bulk"), "spec key 'load_width': bulk (16-byte) loads do not divide a 516-dim bf16 row"),
         (dict(mask="sliding"), "spec key 'mask': value 'sliding' not allowed; allowed: none, causal, tree"),
         (dict(nsplit="many"), "spec key 'nsplit': expected int, got str 'many'; allowed: int in [1, 256] or 'auto'"),
         (dict(arch="sm_100"), "spec key 'arch': value 'sm_100' not allowed; allowed: sm_120, sm_90"),
@@ -86,7 +91,9 @@ def test_infeasible_variants_are_dropped_with_reason():
 def test_glob_filter():
     vs = load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
     sel = filter_by_glob(vs, "*_ps64_*_lw128_*")
-    assert len(sel) == 6 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
+    assert len(sel) == 8 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
+    sel = filter_by_glob(vs, "*_lwbulk_*_rt1_*")
+    assert len(sel) == 8 and all(v.load_width == "bulk" and v.row_tiles == 1 for v in sel)
     assert filter_by_glob(vs, "nothing*") == []
 
 

@@ -15,6 +15,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
          echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|skipped|ERROR SUMMARY|built [0-9]+ variants|wrote' "$OUT/$name.log" | tail -1)"; }
 sglang_test() {
+  python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
   step pytest_sglang "${SGL_LIMIT:-240}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \
     python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py
   grep -E "mlagen vs triton|Error|error|FAILED|SKIPPED" "$OUT/pytest_sglang.log" | head -30

@@ -1,7 +1,8 @@
 // mlagen/mla_verify_combine.cuh — merge the split-KV partials of mla_verify_partial.cuh.
 //   lse   = log(sum_s exp(lse_s))                (log-sum-exp over non-empty splits)
 //   out   = sum_s exp(lse_s - lse) * o_s         (o_s normalized per split)
-// Splits with lse_s = -inf are skipped, so their (unwritten) o_s is never read.
+// Only the live splits of a request (mla_verify_split.cuh, from kv_len) are read, and among them
+// splits with lse_s = -inf (no visible key) are skipped, so an unwritten o_s is never read.
 // A row with no visible key (kv_len 0, padded batch row) gets out = 0 and lse = -inf.
 #pragma once
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_split.cuh"
 
 namespace mlagen {
 
@@ -17,7 +19,7 @@ inline constexpr int kMaxSplits = 256;
 // One CTA per (row, request); kDimV / 4 threads x 4 dims. The split LSEs are read once into shared
 // memory (in parallel), then the weighted partial rows are read with kUnroll independent loads in
 // flight per thread; splits with zero weight (empty) are never read.
-template <int kHeads, int kRowsMax, int kDimV>
+template <int kHeads, int kRowsMax, int kDimV, int kBlockN>
 __global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const MlaVerifyParams p) {
   static_assert(kDimV % 4 == 0 && kDimV / 4 >= 32, "dims must divide by 4, at least one warp");
   constexpr int kThreads = kDimV / 4;
@@ -29,8 +31,8 @@ __global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const Mla
   const int b = blockIdx.y;
   const int rows = p.q_len * kHeads;
   if (row >= rows) return;
-  const int ns = p.num_splits;
-  const int64_t base = static_cast<int64_t>(b) * ns * kRowsMax + row;
+  const int64_t base = static_cast<int64_t>(b) * p.num_splits * kRowsMax + row;
+  const int ns = live_splits(p.kv_lens[b], kBlockN, p.num_splits, p.min_tiles_per_split);
   const int tid = threadIdx.x;
 
   // lse_max over splits (block reduction)

@@ -27,7 +27,7 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 grid_combine(Cfg::kRowsMax, p.batch_size);
-  mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV><<<grid_combine, Cfg::kDimV / 4, 0, stream>>>(p);
+  mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN><<<grid_combine, Cfg::kDimV / 4, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -20,20 +20,10 @@
 
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
 namespace mlagen {
-
-// Tiles [tile_begin, tile_end) of request b handled by split `split`. Splits are tile-aligned;
-// a split past the end of the request is empty.
-__device__ __forceinline__ void split_tile_range(int kv_len, int block_n, int num_splits, int min_tiles,
-                                                 int split, int& tile_begin, int& tile_end) {
-  const int num_tiles = (kv_len + block_n - 1) / block_n;
-  int per_split = (num_tiles + num_splits - 1) / num_splits;
-  per_split = per_split < min_tiles ? min_tiles : per_split;
-  tile_begin = split * per_split;
-  tile_end = tile_begin + per_split < num_tiles ? tile_begin + per_split : num_tiles;
-}
 
 template <class Cfg>
 __device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_len, int query_idx,
