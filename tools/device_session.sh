@@ -22,6 +22,7 @@ sglang_test() {
 }
 MODE=${1:-tests}
 if [ "$MODE" = tests ]; then
+  [ "${SGL:-0}" = 1 ] && sglang_test
   step pytest_kernel 240 python3 -m pytest -m gpu -q tests/test_kernel_gpu.py
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
