@@ -116,6 +116,11 @@ def _stub_if_missing(*tops):
 @pytest.fixture(scope="module")
 def sgl():
     """Import SGLang and set up a 1-process world + published runtime context."""
+    return import_sglang(pytest.skip)
+
+
+def import_sglang(on_missing, master_port=29661):
+    """SGLang's classes this file needs (a namespace); ``on_missing(reason)`` when it does not import."""
     _stub_if_missing("sgl_kernel")
     try:
         import sglang  # noqa: F401
@@ -125,8 +130,8 @@ def sgl():
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
         from sglang.test.layer_ut_utils import init_single_process_dist
     except Exception as e:  # noqa: BLE001 - any import problem means "cannot run here"
-        pytest.skip(f"sglang is not importable: {e!r}")
-    init_single_process_dist(master_port=29661)
+        return on_missing(f"sglang is not importable: {e!r}")
+    init_single_process_dist(master_port=master_port)
     return types.SimpleNamespace(Triton=TritonAttnBackend, RadixAttention=RadixAttention,
                                  ForwardMode=ForwardMode, EagleVerifyInput=EagleVerifyInput)
 
@@ -262,12 +267,12 @@ def _full_mask(parents, L):
 class _Batch:
     """One random batch (host side), turned into forward-batch namespaces on demand."""
 
-    def __init__(self, sgl, runner, role, q_len, bs, tree, gen):
+    def __init__(self, sgl, runner, role, q_len, bs, tree, gen, lens=None):
         self.sgl, self.role, self.q_len, self.bs = sgl, role, q_len, bs
         spec = role == "verify"
         rows = torch.randperm(MAX_BS + 2, generator=gen)[:bs]
         hi = WIDTH - q_len if spec else WIDTH
-        lens = torch.randint(1, hi + 1, (bs,), generator=gen)
+        lens = torch.randint(1, hi + 1, (bs,), generator=gen) if lens is None else torch.tensor(lens)
         self.rpi = rows.cuda()
         self.seq_lens = lens.cuda()
         r2t = runner.req_to_token_pool.req_to_token

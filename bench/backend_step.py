@@ -1,0 +1,118 @@
+"""Verify-step time of the mlagen SGLang backend vs SGLang's own Triton backend (one GPU job).
+
+Same stand-ins as tests/test_sglang_backend_gpu.py (a real RadixAttention layer, EagleVerifyInput
+with SGLang's custom tree mask, req_to_token, an MLA KV pool): each backend captures
+``init_forward_metadata_in_graph`` + ``forward_extend`` (TARGET_VERIFY) in a CUDA graph as SGLang's
+CUDA-graph runner does; the time is the median of CUDA-event-timed replays (µs), after the
+out-of-graph metadata update of each replay. Also reports the eager step (metadata + forward).
+
+    python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4     # H=8, q_len=9, page_size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+
+def _load_test_module():
+    spec = importlib.util.spec_from_file_location("sgl_gpu_test", ROOT / "tests" / "test_sglang_backend_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _events_median(fn, reps):
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--q-len", type=int, default=9)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--contexts", default="16384,65536")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--uri", help="mlagen variant (default: the shipped K2 TP8 bulk rt1 auto variant for these H/q/ps)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; nothing measured")
+        return 1
+    T = _load_test_module()
+    sgl = T.import_sglang(lambda why: sys.exit(f"SGLang backend step not measured: {why}"), master_port=29671)
+    from mlagen.build import build_variants
+    from mlagen.ops import load_so
+
+    H, q, ps = a.heads, a.q_len, a.page_size
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    bss = [int(b) for b in a.batches.split(",")]
+    T.WIDTH = max(ctxs) + 2 * q + ps  # req_to_token columns
+    T.MAX_BS = max(bss)
+    spec = dict(name="backend-step", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width="bulk",
+                block_n=32, num_warps=8, row_tiles=1, stages=2, mask="tree")
+    built = build_variants(spec)
+    if a.uri:
+        built = [b for b in built if b.uri == a.uri] or sys.exit(f"--uri {a.uri} is not built by {spec}")
+    k = load_so(built[0].uri, str(built[0].so_path))
+    print(f"mlagen variant: {built[0].uri}")
+    runner, ref, ours, layer = T._make_backends(sgl, {("verify", H, ps, "tree"): k}, H, ps, q, "verify", "tree")
+    gen = torch.Generator().manual_seed(7)
+    print(f"\n| H | q_len | bs | ctx | mlagen graph µs | Triton graph µs | speedup | mlagen eager µs | Triton eager µs | max |diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for bs in bss:
+        T_tok = bs * q
+        for name, be in (("ref", ref), ("ours", ours)):
+            be.init_cuda_graph_state(bs, T_tok)
+        for ctx in ctxs:
+            b = T._Batch(sgl, runner, "verify", q, bs, True, gen, lens=[ctx] * bs)
+            res, outs = {}, {}
+            for name, be in (("ref", ref), ("ours", ours)):
+                def eager(be=be):
+                    fb = b.forward_batch()
+                    be.init_forward_metadata(fb)
+                    return T._forward(be, layer, fb, b.q, b.k, "verify")
+                outs[name] = eager().float()
+                res[name + "_eager"] = _events_median(eager, max(5, a.reps // 5))
+                fb = b.forward_batch()
+                be.init_forward_metadata_out_graph(fb, in_capture=True)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        be.init_forward_metadata_in_graph(fb)
+                        T._forward(be, layer, fb, b.q, b.k, "verify")
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    be.init_forward_metadata_in_graph(fb)
+                    T._forward(be, layer, fb, b.q, b.k, "verify")
+                be.init_forward_metadata_out_graph(b.forward_batch())
+                res[name + "_graph"] = _events_median(g.replay, a.reps)
+                del g
+            diff = (outs["ref"] - outs["ours"]).abs().max().item()
+            print(f"| {H} | {q} | {bs} | {ctx} | {res['ours_graph']:.1f} | {res['ref_graph']:.1f} | "
+                  f"{res['ref_graph'] / res['ours_graph']:.1f}x | {res['ours_eager']:.1f} | {res['ref_eager']:.1f} | {diff:.3g} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
