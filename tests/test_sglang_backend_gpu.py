@@ -121,7 +121,8 @@ def sgl():
 
 def import_sglang(on_missing, master_port=29661):
     """SGLang's classes this file needs (a namespace); ``on_missing(reason)`` when it does not import."""
-    _stub_if_missing("sgl_kernel")
+    # sgl_kernel: compiled, hundreds of MB; datasets: imported by sglang.test.test_utils for benchmarks only.
+    _stub_if_missing("sgl_kernel", "datasets")
     try:
         import sglang  # noqa: F401
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend

@@ -33,6 +33,8 @@ if [ "$MODE" = tests ]; then
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+elif [ "$MODE" = sglang ]; then
+  sglang_test
 elif [ "$MODE" = grid ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
   step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT"

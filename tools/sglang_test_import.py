@@ -8,7 +8,7 @@ sys.path.insert(0, "tests")
 spec = importlib.util.spec_from_file_location("sgl_gpu_test", "tests/test_sglang_backend_gpu.py")
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-mod._stub_if_missing("sgl_kernel")
+mod._stub_if_missing("sgl_kernel", "datasets")
 try:
     for name in ["sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.radix_attention",
                  "sglang.srt.model_executor.forward_batch_info", "sglang.srt.speculative.eagle_info",
