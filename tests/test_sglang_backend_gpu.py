@@ -209,11 +209,12 @@ class _Runner:
         self.spec_algorithm = types.SimpleNamespace(
             is_speculative=lambda: spec, is_dspark=lambda: False, is_none=lambda: not spec)
         hf = types.SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+        hf.get_text_config = lambda *a, **k: hf  # transformers' PretrainedConfig API
         self.model_config = types.SimpleNamespace(
             attention_arch=AttentionArch.MLA, context_len=WIDTH, head_dim=576, v_head_dim=512,
             swa_v_head_dim=None, is_encoder_decoder=False, hf_config=hf, hf_text_config=hf,
             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, num_attention_heads=H,
-            get_max_num_attention_heads=lambda: H, get_num_kv_heads=lambda *a: 1)
+            get_max_num_attention_heads=lambda: H, get_num_kv_heads=lambda *a: 1, is_draft_model=False)
         try:
             from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 
