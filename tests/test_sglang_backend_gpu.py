@@ -187,6 +187,17 @@ class _Pool:
         self.kv_buffer[layer.layer_id][loc] = cache_k.to(torch.bfloat16)
 
 
+class _Config(types.SimpleNamespace):
+    """Stand-in for SGLang's ModelConfig / a transformers config: the fields set here, and None for
+    any other attribute (SGLang probes many optional ones, e.g. hybrid linear-attention layouts,
+    whose "absent" answer is None for a DeepSeek-V3 style MLA model)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Runner:
     def __init__(self, H, page_size, q_len, spec):
         from sglang.srt.configs.model_config import AttentionArch
@@ -208,9 +219,9 @@ class _Runner:
         self._q_len = q_len
         self.spec_algorithm = types.SimpleNamespace(
             is_speculative=lambda: spec, is_dspark=lambda: False, is_none=lambda: not spec)
-        hf = types.SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+        hf = _Config(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
         hf.get_text_config = lambda *a, **k: hf  # transformers' PretrainedConfig API
-        self.model_config = types.SimpleNamespace(
+        self.model_config = _Config(
             attention_arch=AttentionArch.MLA, context_len=WIDTH, head_dim=576, v_head_dim=512,
             swa_v_head_dim=None, is_encoder_decoder=False, hf_config=hf, hf_text_config=hf,
             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, num_attention_heads=H,
