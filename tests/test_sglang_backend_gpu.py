@@ -132,6 +132,12 @@ def import_sglang(on_missing, master_port=29661):
         from sglang.test.layer_ut_utils import init_single_process_dist
     except Exception as e:  # noqa: BLE001 - any import problem means "cannot run here"
         return on_missing(f"sglang is not importable: {e!r}")
+    import sglang.srt.layers.attention.triton_backend as triton_backend
+
+    # TritonAttnBackend.__init__ calls sgl_kernel.utils.is_arch_support_pdl(), bound at import; with
+    # the stand-in it would raise. False = Triton decode launched without PDL (same results).
+    if isinstance(triton_backend.__dict__.get("is_arch_support_pdl"), _Missing):
+        triton_backend.is_arch_support_pdl = lambda: False
     init_single_process_dist(master_port=master_port)
     return types.SimpleNamespace(Triton=TritonAttnBackend, RadixAttention=RadixAttention,
                                  ForwardMode=ForwardMode, EagleVerifyInput=EagleVerifyInput)
