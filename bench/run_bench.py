@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
+    ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
+    ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
@@ -91,8 +93,12 @@ def main() -> int:
         grid = [g for g in grid if g[0] in {int(x) for x in a.heads.split(",")}]
     if a.batches:
         grid = [g for g in grid if g[2] in {int(x) for x in a.batches.split(",")}]
+    if a.page_sizes:
+        grid = [g for g in grid if g[4] in {int(x) for x in a.page_sizes.split(",")}]
+    if a.contexts:
+        grid = [g for g in grid if g[3] in {int(x) for x in a.contexts.split(",")}]
     if not grid:
-        print("no shape left after --heads / --batches")
+        print("no shape left after --heads / --batches / --page-sizes / --contexts")
         return 1
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:

@@ -2,7 +2,8 @@
 # Everything a GPU session checks, in one device call (logs under $OUT, a short summary at the end).
 #   run: bash tools/device_session.sh tests|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
 #   tests ≈ 4-6 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
-#   grid: HEADS=8 (or 16,64) bench/run_bench.py --grid full for those H, then the SGLang backend test if SGL=1.
+#   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
+#         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
@@ -37,7 +38,8 @@ elif [ "$MODE" = sglang ]; then
   sglang_test
 elif [ "$MODE" = grid ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
-  step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT"
+  step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT" \
+    ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"}
   grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
 else
   step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"
