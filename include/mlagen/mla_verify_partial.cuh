@@ -345,6 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       }
 #pragma unroll
       for (int off = 1; off < Cfg::kSoftmaxLanes; off *= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
+      __syncwarp();  // every lane has read m_smem[r] before lane 0 of the row group rewrites it
       if (row_in_cta) {
 #pragma unroll
         for (int j = 0; j < Cfg::kColsPerLane; j += 2) {
