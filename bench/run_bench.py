@@ -83,6 +83,8 @@ def main() -> int:
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
+    ap.add_argument("--smem-per-sm", help="time mlagen as if an SM had this much shared memory: bytes, or "
+                    "'sm120' (102400, RTX PRO 6000) so CTAs per SM match the sm_120 target")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
@@ -101,6 +103,9 @@ def main() -> int:
     if not grid:
         print("no shape left after --heads / --batches / --page-sizes / --contexts")
         return 1
+    from mlagen.ops import SM120_SMEM_PER_SM
+
+    smem_cap = None if not a.smem_per_sm else SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else int(a.smem_per_sm)
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:
         print(f"SGLang columns skipped: {why}")
@@ -119,6 +124,8 @@ def main() -> int:
         verified: dict[str, bool] = {}
         for b in rep.built:
             k = VerifyKernel(b.variant, b.so_path)
+            if smem_cap is not None:
+                k.limit_smem_per_sm(smem_cap)
             if b.variant.build_key not in verified:
                 s = summarize(verify_kernel(k, quick=True))
                 verified[b.variant.build_key] = s["passed"] == s["cases"]
@@ -179,7 +186,8 @@ def main() -> int:
 
     record = dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__,
                   triton=_ver("triton"), sglang=_ver("sglang"), mlagen=mlagen.__version__, python=platform.python_version(),
-                  ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time())
+                  ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time(),
+                  mlagen_smem_per_sm=smem_cap)
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
     Registry().add_bench_run(record)
     _table(rows, sweep)

@@ -43,7 +43,7 @@ elif [ "$MODE" = sglang ]; then
 elif [ "$MODE" = grid ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
   step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT" \
-    ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"}
+    ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${SMEM:+--smem-per-sm "$SMEM"}
   grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
 else
   step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"
