@@ -99,25 +99,29 @@ class VerifyKernel:
         Timing an H200 (228 KB per SM) for an sm_120 target (RTX PRO 6000: about 100 KB per SM,
         ``SM120_SMEM_PER_SM``) otherwise lets variants of 50-100 KB run 2-4 CTAs per SM where the target
         fits one or two. Sets the kernel's preferred shared-memory carveout (CUDA runtime API,
-        cudaFuncAttributePreferredSharedMemoryCarveout) to floor(nbytes / capacity x 100) percent, so
-        the driver picks the largest carveout configuration not above ``nbytes``; the auto split count
-        uses the same reduced occupancy (``nbytes // (smem_bytes + 1 KB reserved)`` CTAs per SM).
+        cudaFuncAttributePreferredSharedMemoryCarveout) to floor(nbytes / capacity x 100) percent; the
+        driver rounds a preference up to a carveout size the SM supports (Hopper: ..., 64, 100, 132, ...
+        KB), so pass a supported size (the default use, 100 KB, is one) for an exact emulation. The auto
+        split count uses ``nbytes // (smem_bytes + 1 KB reserved)`` CTAs per SM. The carveout belongs to
+        the loaded module, which variants differing only in nsplit share: give them all the same limit,
+        and ``None`` restores the driver default.
 
         Raises:
             ValueError: nbytes < the variant's shared memory + 1 KB, or above the device's capacity.
         """
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if nbytes is None:
-            self.module.set_smem_carveout(-1)
-            self.smem_per_sm_cap = None
-        else:
-            cap = torch.cuda.get_device_properties(dev).shared_memory_per_multiprocessor
-            need = int(self.module.smem_bytes) + CTA_RESERVED_SMEM
-            if not need <= nbytes <= cap:
-                raise ValueError(f"{self.variant.uri}: shared memory per SM {nbytes} B must be in [{need}, {cap}] "
-                                 f"(one CTA needs {need} B; the device has {cap} B)")
-            self.module.set_smem_carveout(nbytes * 100 // cap)
-            self.smem_per_sm_cap = int(nbytes)
+        with torch.cuda.device(dev):  # the carveout is set on the current device
+            if nbytes is None:
+                self.module.set_smem_carveout(-1)
+                self.smem_per_sm_cap = None
+            else:
+                cap = torch.cuda.get_device_properties(dev).shared_memory_per_multiprocessor
+                need = int(self.module.smem_bytes) + CTA_RESERVED_SMEM
+                if not need <= nbytes <= cap:
+                    raise ValueError(f"{self.variant.uri}: shared memory per SM {nbytes} B must be in [{need}, {cap}] "
+                                     f"(one CTA needs {need} B; the device has {cap} B)")
+                self.module.set_smem_carveout(nbytes * 100 // cap)
+                self.smem_per_sm_cap = int(nbytes)
         self._sm.clear()
 
     def min_tiles_per_split(self) -> int:
