@@ -3,8 +3,9 @@
 Same stand-ins as tests/test_sglang_backend_gpu.py (a real RadixAttention layer, EagleVerifyInput
 with SGLang's custom tree mask, req_to_token, an MLA KV pool): each backend captures
 ``init_forward_metadata_in_graph`` + ``forward_extend`` (TARGET_VERIFY) in a CUDA graph as SGLang's
-CUDA-graph runner does; the time is the median of CUDA-event-timed replays (µs), after the
-out-of-graph metadata update of each replay. Also reports the eager step (metadata + forward).
+CUDA-graph runner does; the time is the median of CUDA-event-timed replays (µs) of the captured
+step, with the batch's metadata set once out of graph after capture. Also reports the eager step
+(metadata + forward, timed together).
 
     python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4     # H=8, q_len=9, page_size 1
 """
@@ -51,7 +52,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="16384,65536")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--uri", help="mlagen variant (default: the shipped K2 TP8 bulk rt1 auto variant for these H/q/ps)")
+    ap.add_argument("--uri", help="which of the variants built here to use (bulk bn32 w8 rt1 st2 auto for these H/q/ps; "
+                    "the only one built today)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")

@@ -52,8 +52,9 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rows = H * q_len
     rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
-                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2], row_tiles=rt, num_warps=8,
-                load_width=["bulk", 128])
+                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2], row_tiles=rt, num_warps=[4, 8],
+                load_width="bulk")  # bulk beat 128-bit cp.async at every shape of the H200 grid; 4 warps
+                                    # (bn16 rt1: 45.5 KB, 2 CTAs/SM on sm_120) not measured yet
 
 
 def mlagen_args(p: dict, k: VerifyKernel):
@@ -82,6 +83,8 @@ def main() -> int:
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
+    ap.add_argument("--smem-per-sm", type=_smem_arg, help="time mlagen as if an SM had this much shared memory: bytes, or "
+                    "'sm120' (102400, RTX PRO 6000) so CTAs per SM match the sm_120 target")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
@@ -100,6 +103,9 @@ def main() -> int:
     if not grid:
         print("no shape left after --heads / --batches / --page-sizes / --contexts")
         return 1
+    from mlagen.ops import SM120_SMEM_PER_SM
+
+    smem_cap = SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:
         print(f"SGLang columns skipped: {why}")
@@ -118,6 +124,12 @@ def main() -> int:
         verified: dict[str, bool] = {}
         for b in rep.built:
             k = VerifyKernel(b.variant, b.so_path)
+            if smem_cap is not None:
+                try:
+                    k.limit_smem_per_sm(smem_cap)
+                except ValueError as e:  # the variant cannot run at that shared memory per SM
+                    print(f"excluded: {e}")
+                    continue
             if b.variant.build_key not in verified:
                 s = summarize(verify_kernel(k, quick=True))
                 verified[b.variant.build_key] = s["passed"] == s["cases"]
@@ -178,7 +190,8 @@ def main() -> int:
 
     record = dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__,
                   triton=_ver("triton"), sglang=_ver("sglang"), mlagen=mlagen.__version__, python=platform.python_version(),
-                  ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time())
+                  ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time(),
+                  mlagen_smem_per_sm=smem_cap)
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
     Registry().add_bench_run(record)
     _table(rows, sweep)
@@ -187,8 +200,24 @@ def main() -> int:
     return 0
 
 
+def _smem_arg(text: str):
+    """--smem-per-sm value: 'sm120' or a positive byte count."""
+    if text == "sm120":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'sm120' or bytes, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {n}")
+    return n
+
+
 def _fmt(r: dict) -> str:
-    tile = r["mlagen_uri"].split("_ns")[1].split("_", 1)[1].rsplit("_", 4)[0]  # lw.._bn.._w.._rt.._st..
+    from mlagen.spec import Variant
+
+    v = Variant.from_uri(r["mlagen_uri"])
+    tile = f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
     s = (f"H={r['H']:3d} q={r['q_len']} bs={r['bs']:2d} ctx={r['ctx']:6d} ps={r['page_size']:2d} | mlagen {tile} "
          f"{r['mlagen_us']:8.1f} us {r['gbs']:6.0f} GB/s {r['frac_floor']:.2f} of floor ({r['floor_us']:.1f} us)")
     if "sglang_verify_us" in r:

@@ -18,6 +18,8 @@ from mlagen.spec import Variant
 # in combine traffic than they win).
 AUTO_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
+SM120_SMEM_PER_SM = 102400  # shared memory per SM on sm_120 (RTX PRO 6000 Blackwell): 100 KB
+CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA (sm_80 and later)
 AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best wave cost
 
 
@@ -67,6 +69,7 @@ class VerifyKernel:
         self.so_path = Path(so_path)
         self.module = load_module(variant.build_key, so_path)
         self._sm: dict[int, int] = {}
+        self.smem_per_sm_cap: int | None = None  # set by limit_smem_per_sm
 
     # ---- split policy
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
@@ -84,8 +87,42 @@ class VerifyKernel:
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
             with torch.cuda.device(idx):
-                self._sm[idx] = _sm_count(dev) * max(1, self.module.max_active_ctas_per_sm())
+                occ = max(1, self.module.max_active_ctas_per_sm())
+                if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
+                    occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
+                self._sm[idx] = _sm_count(dev) * occ
         return auto_num_splits(max(1, batch_size) * v.row_blocks, self._sm[idx])
+
+    def limit_smem_per_sm(self, nbytes: int | None, device: torch.device | None = None) -> None:
+        """Run the partial kernel as if an SM had only ``nbytes`` of shared memory (None: the device's own).
+
+        Timing an H200 (228 KB per SM) for an sm_120 target (RTX PRO 6000: about 100 KB per SM,
+        ``SM120_SMEM_PER_SM``) otherwise lets variants of 50-100 KB run 2-4 CTAs per SM where the target
+        fits one or two. Sets the kernel's preferred shared-memory carveout (CUDA runtime API,
+        cudaFuncAttributePreferredSharedMemoryCarveout) to floor(nbytes / capacity x 100) percent; the
+        driver rounds a preference up to a carveout size the SM supports (Hopper: ..., 64, 100, 132, ...
+        KB), so pass a supported size (the default use, 100 KB, is one) for an exact emulation. The auto
+        split count uses ``nbytes // (smem_bytes + 1 KB reserved)`` CTAs per SM. The carveout belongs to
+        the loaded module, which variants differing only in nsplit share: give them all the same limit,
+        and ``None`` restores the driver default.
+
+        Raises:
+            ValueError: nbytes < the variant's shared memory + 1 KB, or above the device's capacity.
+        """
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(dev):  # the carveout is set on the current device
+            if nbytes is None:
+                self.module.set_smem_carveout(-1)
+                self.smem_per_sm_cap = None
+            else:
+                cap = torch.cuda.get_device_properties(dev).shared_memory_per_multiprocessor
+                need = int(self.module.smem_bytes) + CTA_RESERVED_SMEM
+                if not need <= nbytes <= cap:
+                    raise ValueError(f"{self.variant.uri}: shared memory per SM {nbytes} B must be in [{need}, {cap}] "
+                                     f"(one CTA needs {need} B; the device has {cap} B)")
+                self.module.set_smem_carveout(nbytes * 100 // cap)
+                self.smem_per_sm_cap = int(nbytes)
+        self._sm.clear()
 
     def min_tiles_per_split(self) -> int:
         if self.variant.nsplit != "auto":

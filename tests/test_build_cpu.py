@@ -124,3 +124,34 @@ def test_build_id_in_ninja_command_and_all_include_files_hashed(cache_env, tmp_p
     d1 = codegen.headers_digest()
     (inc / "mlagen" / "b.h").write_text("z")
     assert codegen.headers_digest() != d1
+
+
+def test_ablation_build_drops_phases_and_default_is_the_full_kernel(tmp_path):
+    """tools/device_ablate.py: the phase-dropping diagnostic build compiles, and its mask really
+    removes code (fewer MMAs in the PTX); MLAGEN_ABLATE unset is the full kernel."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    try:
+        ninja_gen.nvcc_path()
+    except ninja_gen.ToolchainError:
+        pytest.skip("nvcc not available")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import device_ablate
+
+    from mlagen.spec import Variant
+
+    v = dataclasses.replace(Variant.from_uri(device_ablate.DEFAULT_URI), archs=("sm_120",))
+    src = tmp_path / "k.cu"
+    counts = {}
+    for mask in (0, 2 | 8):
+        src.write_text(f"#define MLAGEN_ABLATE {mask}\n" + codegen.render_variant(v))
+        ptx = tmp_path / f"k{mask}.ptx"
+        flags = [f for f in ninja_gen.nvcc_flags(v) if f not in ("-shared", "-Xptxas", "-v")]
+        flags = [f for f in flags if not f.startswith("arch=") and f != "-gencode"]
+        r = subprocess.run([ninja_gen.nvcc_path(), *flags, "-arch=sm_120", "-ptx", str(src), "-o", str(ptx)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        counts[mask] = ptx.read_text().count("mma.sync.aligned")
+    assert counts[0] > 0 and counts[2 | 8] == 0, counts

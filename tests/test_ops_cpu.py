@@ -10,20 +10,23 @@ from mlagen.spec import parse_spec
 class RecordingModule:
     """Stands in for the compiled module; records launches (there must be none on bad input)."""
 
-    def __init__(self):
-        self.calls = 0
-
     def run(self, *args):
         self.calls += 1
 
+    smem_bytes = 87520  # the K2 bulk bn32 rt1 variant's shared memory
+
+    def __init__(self, occupancy=1):
+        self.calls = 0
+        self.occupancy = occupancy
+
     def max_active_ctas_per_sm(self):
-        return 1
+        return self.occupancy
 
 
 def _kernel(**kw):
     v = parse_spec(dict(dict(heads_per_rank=8, q_len=9, nsplit=16, load_width=128), **kw)).variants()[0]
     k = VerifyKernel.__new__(VerifyKernel)
-    k.variant, k.so_path, k.module, k._sm = v, None, RecordingModule(), {}
+    k.variant, k.so_path, k.module, k._sm, k.smem_per_sm_cap = v, None, RecordingModule(), {}, None
     return k
 
 
@@ -141,3 +144,22 @@ def test_bool_q_len_and_huge_scale_rejected():
         _call(k, _inputs(), q_len=True)
     with pytest.raises(ValueError, match="fp32 range"):
         _call(k, _inputs(), softmax_scale=1e300)
+
+
+def test_auto_split_uses_the_emulated_occupancy(monkeypatch):
+    """With an sm_120-sized shared memory per SM, a variant that fits 2 CTAs per H200 SM counts as 1."""
+    import contextlib
+
+    import mlagen.ops as ops
+
+    monkeypatch.setattr(ops, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(torch.cuda, "device", lambda idx: contextlib.nullcontext())
+    a = _kernel(nsplit="auto")
+    a.module.occupancy = 2
+    two = a.num_splits(1, torch.device("cuda", 0))
+    assert a._sm[0] == 264
+    a._sm.clear()
+    a.smem_per_sm_cap = ops.SM120_SMEM_PER_SM
+    one = a.num_splits(1, torch.device("cuda", 0))
+    assert a._sm[0] == 132  # 102,400 // (87,520 + 1,024) = 1 CTA per SM
+    assert one < two

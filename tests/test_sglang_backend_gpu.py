@@ -109,20 +109,35 @@ def _stub_if_missing(*tops):
     import sys
 
     missing = [t for t in tops if t not in sys.modules and importlib.util.find_spec(t) is None]
-    if missing:
-        sys.meta_path.append(_MissingKernelFinder(missing))
+    if not missing:
+        return None
+    finder = _MissingKernelFinder(missing)
+    sys.meta_path.append(finder)
+    return finder
+
+
+def _remove_stubs(finder):
+    """Undo :func:`_stub_if_missing` for later imports (modules already imported keep their stand-ins)."""
+    import sys
+
+    if finder is not None and finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+        for name in [n for n, m in sys.modules.items() if isinstance(m, _MissingKernelModule)]:
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def sgl():
     """Import SGLang and set up a 1-process world + published runtime context."""
-    return import_sglang(pytest.skip)
+    ns = import_sglang(pytest.skip)
+    yield ns
+    _remove_stubs(ns.stub_finder)
 
 
 def import_sglang(on_missing, master_port=29661):
     """SGLang's classes this file needs (a namespace); ``on_missing(reason)`` when it does not import."""
     # sgl_kernel: compiled, hundreds of MB; datasets: imported by sglang.test.test_utils for benchmarks only.
-    _stub_if_missing("sgl_kernel", "datasets")
+    finder = _stub_if_missing("sgl_kernel", "datasets")
     try:
         import sglang  # noqa: F401
         from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -131,6 +146,7 @@ def import_sglang(on_missing, master_port=29661):
         from sglang.srt.speculative.eagle_info import EagleVerifyInput
         from sglang.test.layer_ut_utils import init_single_process_dist
     except Exception as e:  # noqa: BLE001 - any import problem means "cannot run here"
+        _remove_stubs(finder)
         return on_missing(f"sglang is not importable: {e!r}")
     import sglang.srt.layers.attention.triton_backend as triton_backend
 
@@ -140,7 +156,7 @@ def import_sglang(on_missing, master_port=29661):
         triton_backend.is_arch_support_pdl = lambda: False
     init_single_process_dist(master_port=master_port)
     return types.SimpleNamespace(Triton=TritonAttnBackend, RadixAttention=RadixAttention,
-                                 ForwardMode=ForwardMode, EagleVerifyInput=EagleVerifyInput)
+                                 ForwardMode=ForwardMode, EagleVerifyInput=EagleVerifyInput, stub_finder=finder)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 #   run: bash tools/device_session.sh tests|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
 #   tests ≈ 4-6 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
-#         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step).
+#         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
+#   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
@@ -34,12 +35,15 @@ if [ "$MODE" = tests ]; then
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+elif [ "$MODE" = ablate ]; then
+  step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
+  grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -30
 elif [ "$MODE" = sglang ]; then
   sglang_test
 elif [ "$MODE" = grid ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
   step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT" \
-    ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"}
+    ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${SMEM:+--smem-per-sm "$SMEM"}
   grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
 else
   step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"

@@ -15,6 +15,14 @@ cudaError_t mla_verify_prepare() {
                               Cfg::kSmemBytes);
 }
 
+// Preferred shared-memory carveout of the partial kernel, in percent of the SM's shared capacity
+// (cudaFuncAttributePreferredSharedMemoryCarveout; -1 = the driver's default). Used to time an H200 at
+// the CTAs per SM that sm_120's ~100 KB allows.
+template <class Cfg>
+cudaError_t mla_verify_set_carveout(int percent) {
+  return cudaFuncSetAttribute(mla_verify_partial_kernel<Cfg>, cudaFuncAttributePreferredSharedMemoryCarveout, percent);
+}
+
 template <class Cfg>
 cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   // Defence in depth (the Python wrapper checks these first): grid and workspace layout assume them.

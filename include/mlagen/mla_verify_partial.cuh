@@ -23,7 +23,18 @@
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
+// Diagnostic builds only (tools/device_ablate.py): MLAGEN_ABLATE drops phases of the main loop so
+// that timing differences show what each costs. The output is then wrong. Bits: 1 KV loads (and
+// their waits), 2 Q K^T MMAs, 4 softmax pass, 8 P V MMAs, 16 the two barriers inside a tile.
+// 0 (the default, every shipped build) compiles to the full kernel.
+#ifndef MLAGEN_ABLATE
+#define MLAGEN_ABLATE 0
+#endif
+
 namespace mlagen {
+
+inline constexpr int kAblate = MLAGEN_ABLATE;
+inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kAblatePV = 8, kAblateBarriers = 16;
 
 template <class Cfg>
 __device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_len, int query_idx,
@@ -154,7 +165,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     }
     __syncthreads();
     for (int st = 0; st < Cfg::kStages - 1; ++st) {
-      if (tile_begin + st < tile_end) bulk_load_tile(tile_begin + st, bulk_slot(tile_begin + st));
+      if (!(kAblate & kAblateLoads) && tile_begin + st < tile_end) bulk_load_tile(tile_begin + st, bulk_slot(tile_begin + st));
     }
     const int first_ahead = tile_begin + Cfg::kStages - 1;
     slot_next = first_ahead < tile_end ? bulk_slot(first_ahead) : -1;
@@ -165,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     __syncthreads();
 #pragma unroll
     for (int st = 0; st < Cfg::kStages - 1; ++st) {
-      if (tile_begin + st < tile_end) load_kv_tile(tile_begin + st);
+      if (!(kAblate & kAblateLoads) && tile_begin + st < tile_end) load_kv_tile(tile_begin + st);
       ptx::cp_async_commit();
     }
   }
@@ -228,10 +239,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     const int ahead = tile + Cfg::kStages;
     int64_t ahead_slot = -1;
     if constexpr (Cfg::kBulkLoad) {
-      ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
+      if constexpr (!(kAblate & kAblateLoads)) {
+        ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
+      }
       __syncthreads();  // every warp is done with the stage refilled below
       const int next = tile + Cfg::kStages - 1;
-      if (next < tile_end) {
+      if (!(kAblate & kAblateLoads) && next < tile_end) {
         bulk_load_tile(next, slot_next);
         slot_next = ahead < tile_end ? bulk_slot(ahead) : -1;
       }
@@ -240,7 +253,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       __syncthreads();
       {  // refill the stage consumed in the previous iteration
         const int next = tile + Cfg::kStages - 1;
-        if (next < tile_end) load_kv_tile(next);
+        if (!(kAblate & kAblateLoads) && next < tile_end) load_kv_tile(next);
         ptx::cp_async_commit();
       }
       // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
@@ -258,7 +271,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         for (int e = 0; e < 4; ++e) s_frag[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKStepsPerWarp; ++kk) {
-      if (ks_begin + kk < ks_end) {
+      if (!(kAblate & kAblateScores) && ks_begin + kk < ks_end) {
         const int k0 = (ks_begin + kk) * 16;
         // matrices: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi) of this warp's 16 tokens
         const int m = lane / 8;
@@ -283,13 +296,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kSRowFloats + c) =
             make_float2(s_frag[mt][nt][2], s_frag[mt][nt][3]);
       }
-    __syncthreads();
+    if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
 
     // ---- online softmax: 8 lanes per row, kColsPerLane columns each. A tile wholly inside the
     // prefix (every tile but the last one or two of a request) needs no per-key mask test.
     const bool tile_in_prefix = (tile + 1) * Cfg::kBlockN <= prefix_len;
 #pragma unroll
-    for (int r0 = 0; r0 < Cfg::kRowsPerCta; r0 += Cfg::kRowsPerPass) {
+    for (int r0 = 0; r0 < ((kAblate & kAblateSoftmax) ? 0 : Cfg::kRowsPerCta); r0 += Cfg::kRowsPerPass) {
       const int r = r0 + tid / Cfg::kSoftmaxLanes;
       const int c0 = (tid % Cfg::kSoftmaxLanes) * Cfg::kColsPerLane;
       const bool row_in_cta = r < Cfg::kRowsPerCta;  // warp-uniform groups of 8 lanes
@@ -359,7 +372,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    __syncthreads();
+    if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
 
     // ---- rescale O, then O += P V over this warp's output dims.
 #pragma unroll
@@ -376,7 +389,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       }
     }
 #pragma unroll
-    for (int ks = 0; ks < Cfg::kBlockN / 16; ++ks) {
+    for (int ks = 0; ks < ((kAblate & kAblatePV) ? 0 : Cfg::kBlockN / 16); ++ks) {
       uint32_t p_frag[Cfg::kRowTiles][4];
       {
         const int m = lane / 8;

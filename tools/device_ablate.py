@@ -1,0 +1,80 @@
+"""Phase costs of the partial kernel by ablation (GPU): build one variant with MLAGEN_ABLATE masks
+(include/mlagen/mla_verify_partial.cuh drops the masked phases; outputs are then wrong) and time each
+build at the same shapes in one process. The differences against the full kernel place the time.
+
+    python3 tools/device_ablate.py [URI] [--contexts 4096,65536] [--batch 1]
+
+Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a
+markdown table: ablation, µs per context, and the time saved against the full build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlagen.bench import Shape, bench_kernel  # noqa: E402
+from mlagen.codegen import render_variant  # noqa: E402
+from mlagen.ninja_gen import ext_suffix, nvcc_flags, nvcc_path  # noqa: E402
+from mlagen.ops import VerifyKernel  # noqa: E402
+from mlagen.spec import Variant  # noqa: E402
+
+MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax pass", 8: "no P V MMAs",
+         16: "no in-tile barriers", 2 | 8: "no MMAs at all", 4 | 16: "no softmax, no in-tile barriers",
+         2 | 4 | 8 | 16: "loads + loop skeleton only", 1 | 2 | 4 | 8 | 16: "loop skeleton only"}
+DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
+
+
+def build(v: Variant, mask: int, out_dir: Path) -> Path:
+    src = out_dir / f"{v.build_key}_ab{mask}.cu"
+    so = out_dir / f"{v.build_key}_ab{mask}{ext_suffix()}"
+    src.write_text(f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v))
+    r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed for ablation {mask}:\n{r.stderr[-3000:]}")
+    return so
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
+    ap.add_argument("--contexts", default="4096,65536")
+    ap.add_argument("--batch", type=int, default=1)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; nothing measured")
+        return 1
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    v = dataclasses.replace(Variant.from_uri(a.uri), archs=(arch,))
+    out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(MASKS), os.cpu_count() or 1)) as pool:
+        sos = dict(zip(MASKS, pool.map(lambda m: build(v, m, out_dir), MASKS)))
+    rows = {}
+    for mask, so in sos.items():
+        k = VerifyKernel(v, so)
+        rows[mask] = [bench_kernel(k, Shape(v.heads, v.q_len, a.batch, c, v.page_size))["median_us"] for c in ctxs]
+        print(f"ablate {mask:2d} {MASKS[mask]:34s} " + " ".join(f"{t:8.1f}" for t in rows[mask]), flush=True)
+    print(f"\n{a.uri} on {torch.cuda.get_device_name()}, bs {a.batch}, splits {VerifyKernel(v, sos[0]).num_splits(a.batch)}")
+    print("| ablation | " + " | ".join(f"{c} µs (saved)" for c in ctxs) + " |")
+    print("|---|" + "---|" * len(ctxs))
+    for mask, ts in rows.items():
+        cells = [f"{t:.1f} ({rows[0][i] - t:+.1f})" for i, t in enumerate(ts)]
+        print(f"| {MASKS[mask]} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
