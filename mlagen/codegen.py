@@ -49,6 +49,7 @@ def template_context(v: Variant) -> dict:
         num_warps=int(v.num_warps),
         row_tiles=int(v.row_tiles),
         stages=int(v.stages),
+        overlap=int(v.overlap),
         mask_cpp=MASKS[v.mask][0],
         smem_limit=min(SMEM_LIMIT[a] for a in v.archs),
     )

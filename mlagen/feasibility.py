@@ -36,6 +36,7 @@ def resources(v: Variant) -> Resources:
     n_groups = v.block_n // 16
     k_groups = max(1, v.num_warps // max(1, n_groups))
     smem_s = k_groups * v.rows_per_cta * (v.block_n + 8) * 4  # rows padded by 8 floats (bank spread)
+    smem_s *= 2 if v.overlap else 1  # overlap: a second partial-score buffer
     smem_p = v.rows_per_cta * (v.block_n + 8) * 2
     smem_stats = 3 * v.rows_per_cta * 4
     bulk = v.load_width == "bulk"
@@ -51,6 +52,8 @@ def resources(v: Variant) -> Resources:
 
 def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
+    if v.overlap and v.load_width != "bulk":
+        return f"overlap needs load_width bulk, got {v.load_width}"
     r = resources(v)
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:

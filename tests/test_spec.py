@@ -28,6 +28,12 @@ def test_uri_has_every_parameter_and_round_trips():
     assert "_ns" not in v.build_key
     b = parse_spec(dict(BASE, load_width="bulk")).variants()[0]
     assert "_lwbulk_" in b.uri and Variant.from_uri(b.uri) == b
+    o = parse_spec(dict(BASE, load_width="bulk", overlap=1)).variants()[0]
+    assert "_st3_ov1_tree_" in o.uri and Variant.from_uri(o.uri) == o and "_ov" not in b.uri
+    from mlagen.feasibility import infeasible_reason
+
+    bad = parse_spec(dict(BASE, load_width=128, overlap=1, stages=2)).variants()[0]
+    assert infeasible_reason(bad) == "overlap needs load_width bulk, got 128"
     with pytest.raises(ValueError, match="not an mlagen variant uri"):
         Variant.from_uri("mla_verify_h8")
 

@@ -13,7 +13,7 @@ inline constexpr int kSmemLimitSm120 = 101376;
 inline constexpr int kSmemLimitSm90 = 232448;
 
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_, int kWarps_,
-          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120, int kOverlap_ = 0>
 struct MlaVerifyConfig {
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank
@@ -70,7 +70,10 @@ struct MlaVerifyConfig {
   // distinct banks (row stride = 8 mod 32 banks), and a softmax lane group reads one row.
   static constexpr int kSRowFloats = kBlockN + 8;
   static constexpr int kSmemKv = kStages * kBlockN * kKvRowElems * 2;
-  static constexpr int kSmemS = kKGroups * kRowsPerCta * kSRowFloats * 4;
+  // overlap: scores of tile t+1 are computed while P V of tile t runs, so two partial-score buffers.
+  static constexpr bool kOverlap = kOverlap_ != 0;
+  static constexpr int kSBufFloats = kKGroups * kRowsPerCta * kSRowFloats;
+  static constexpr int kSmemS = (kOverlap ? 2 : 1) * kSBufFloats * 4;
   static constexpr int kSmemP = kRowsPerCta * kPRowElems * 2;
   static constexpr int kSmemStats = 3 * kRowsPerCta * 4;
   // cp.async path: int64 cache-slot ring, one row per stage. Bulk path: one mbarrier per stage.
@@ -91,6 +94,7 @@ struct MlaVerifyConfig {
   static_assert(!kBulkLoad || (kRowBytes % 16 == 0 && (kKvRowElems * 2) % 16 == 0),
                 "bulk copies move 16-byte multiples between 16-byte aligned rows");
   static_assert(!kBulkLoad || kBulkTokensPerWarp <= 32, "bulk loader: one token per lane");
+  static_assert(!kOverlap || kBulkLoad, "overlap needs load_width bulk");
   static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
   static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");

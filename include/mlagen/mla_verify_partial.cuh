@@ -234,33 +234,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   }
   const int dim_v0 = warp * Cfg::kDimVPerWarp;
 
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int stage = (tile - tile_begin) % Cfg::kStages;
-    const int ahead = tile + Cfg::kStages;
-    int64_t ahead_slot = -1;
-    if constexpr (Cfg::kBulkLoad) {
-      if constexpr (!(kAblate & kAblateLoads)) {
-        ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
-      }
-      __syncthreads();  // every warp is done with the stage refilled below
-      const int next = tile + Cfg::kStages - 1;
-      if (!(kAblate & kAblateLoads) && next < tile_end) {
-        bulk_load_tile(next, slot_next);
-        slot_next = ahead < tile_end ? bulk_slot(ahead) : -1;
-      }
-    } else {
-      ptx::cp_async_wait<Cfg::kStages - 2>();
-      __syncthreads();
-      {  // refill the stage consumed in the previous iteration
-        const int next = tile + Cfg::kStages - 1;
-        if (!(kAblate & kAblateLoads) && next < tile_end) load_kv_tile(next);
-        ptx::cp_async_commit();
-      }
-      // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
-      ahead_slot = ahead < tile_end ? slot_of(ahead) : -1;
-    }
+  // ---- the three phases of a tile, shared by both loop schedules below.
+  // Q K^T partial scores of the K tile in stage `stage`, stored to the partial-score buffer s_buf.
+  auto compute_scores = [&](int stage, float* s_buf) {
     const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
-
     // ---- partial scores over this warp's k slice: s_frag[row tile][n8 tile][4]
     float s_frag[Cfg::kRowTiles][Cfg::kNTilesS][4];
 #pragma unroll
@@ -285,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    float* s_mine = s_part_smem + k_group * (Cfg::kRowsPerCta * Cfg::kSRowFloats);
+    float* s_mine = s_buf + k_group * (Cfg::kRowsPerCta * Cfg::kSRowFloats);
 #pragma unroll
     for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
 #pragma unroll
@@ -296,8 +273,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         *reinterpret_cast<float2*>(s_mine + (mt * 16 + g + 8) * Cfg::kSRowFloats + c) =
             make_float2(s_frag[mt][nt][2], s_frag[mt][nt][3]);
       }
-    if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
-
+  };
+  // Online softmax of tile `tile` from s_buf: P (bf16) to p_smem, running max / sum, alpha.
+  auto softmax_pass = [&](int tile, const float* s_buf) {
     // ---- online softmax: 8 lanes per row, kColsPerLane columns each. A tile wholly inside the
     // prefix (every tile but the last one or two of a request) needs no per-key mask test.
     const bool tile_in_prefix = (tile + 1) * Cfg::kBlockN <= prefix_len;
@@ -315,7 +293,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       if (row_live) {  // sum the k-group partial scores, vector loads along the row
 #pragma unroll
         for (int kg = 0; kg < Cfg::kKGroups; ++kg) {
-          const float* src = s_part_smem + (kg * Cfg::kRowsPerCta + r) * Cfg::kSRowFloats + c0;
+          const float* src = s_buf + (kg * Cfg::kRowsPerCta + r) * Cfg::kSRowFloats + c0;
           if constexpr (Cfg::kColsPerLane % 4 == 0) {
 #pragma unroll
             for (int j = 0; j < Cfg::kColsPerLane; j += 4) {
@@ -372,8 +350,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
-
+  };
+  // O = alpha * O + P V with the V rows of stage `stage`.
+  auto pv_pass = [&](int stage) {
+    const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
     // ---- rescale O, then O += P V over this warp's output dims.
 #pragma unroll
     for (int mt = 0; mt < Cfg::kRowTiles; ++mt) {
@@ -414,8 +394,75 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         }
       }
     }
-    if constexpr (!Cfg::kBulkLoad) {
-      if (tid < Cfg::kBlockN) ring(ahead)[tid] = ahead_slot;
+  };
+
+  if constexpr (!Cfg::kOverlap) {
+    // Serial schedule: per tile, scores -> barrier -> softmax -> barrier -> P V (3 barriers).
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int stage = (tile - tile_begin) % Cfg::kStages;
+      const int ahead = tile + Cfg::kStages;
+      int64_t ahead_slot = -1;
+      if constexpr (Cfg::kBulkLoad) {
+        if constexpr (!(kAblate & kAblateLoads)) {
+          ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
+        }
+        __syncthreads();  // every warp is done with the stage refilled below
+        const int next = tile + Cfg::kStages - 1;
+        if (!(kAblate & kAblateLoads) && next < tile_end) {
+          bulk_load_tile(next, slot_next);
+          slot_next = ahead < tile_end ? bulk_slot(ahead) : -1;
+        }
+      } else {
+        ptx::cp_async_wait<Cfg::kStages - 2>();
+        __syncthreads();
+        {  // refill the stage consumed in the previous iteration
+          const int next = tile + Cfg::kStages - 1;
+          if (!(kAblate & kAblateLoads) && next < tile_end) load_kv_tile(next);
+          ptx::cp_async_commit();
+        }
+        // slots of tile + kStages: loaded now, stored after this tile's math (ring entry is free by then)
+        ahead_slot = ahead < tile_end ? slot_of(ahead) : -1;
+      }
+      compute_scores(stage, s_part_smem);
+      if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
+      softmax_pass(tile, s_part_smem);
+      if constexpr (!(kAblate & kAblateBarriers)) __syncthreads();
+      pv_pass(stage);
+      if constexpr (!Cfg::kBulkLoad) {
+        if (tid < Cfg::kBlockN) ring(ahead)[tid] = ahead_slot;
+      }
+    }
+  } else {
+    // Overlapped schedule (bulk loads): the scores of tile t+1 are computed in the same phase as
+    // P V of tile t, from a second partial-score buffer, so two independent MMA streams interleave
+    // and a tile costs 2 barriers. Iteration t: issue tile t+S-1 into the stage tile t-1 freed;
+    // softmax(t); wait for tile t+1; barrier; P V(t) + scores(t+1); barrier.
+    static_assert(Cfg::kBulkLoad, "overlap needs the bulk loader");
+    auto wait_tile = [&](int tile) {
+      if constexpr (!(kAblate & kAblateLoads)) {
+        const int i = tile - tile_begin;
+        ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+      }
+    };
+    auto s_buf_of = [&](int tile) { return s_part_smem + ((tile - tile_begin) & 1) * Cfg::kSBufFloats; };
+    wait_tile(tile_begin);
+    __syncthreads();
+    compute_scores(0, s_buf_of(tile_begin));
+    __syncthreads();
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int stage = (tile - tile_begin) % Cfg::kStages;
+      const int next = tile + Cfg::kStages - 1;  // its stage held tile - 1, free since the last barrier
+      if (!(kAblate & kAblateLoads) && next < tile_end) {
+        bulk_load_tile(next, slot_next);
+        const int ahead = next + 1;
+        slot_next = ahead < tile_end ? bulk_slot(ahead) : -1;
+      }
+      softmax_pass(tile, s_buf_of(tile));
+      if (tile + 1 < tile_end) wait_tile(tile + 1);
+      __syncthreads();  // P, alpha visible; tile + 1 landed
+      pv_pass(stage);
+      if (tile + 1 < tile_end) compute_scores((tile + 1 - tile_begin) % Cfg::kStages, s_buf_of(tile + 1));
+      __syncthreads();  // scores of tile + 1 visible; P and stage `stage` free
     }
   }
   if constexpr (!Cfg::kBulkLoad) ptx::cp_async_wait<0>();
