@@ -14,6 +14,9 @@ SPECS = {
     # scores of tile t+1 overlapped with P V of tile t (second partial-score buffer)
     "k2_ov": dict(name="gpu_k2_ov", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=[16, 32],
                   stages=[2, 3], row_tiles=1, load_width="bulk", overlap=1, mask="tree"),
+    # 4-warp CTAs (8 tokens per warp for the bulk loader at bn32) and a deep bulk ring
+    "k2_w4": dict(name="gpu_k2_w4", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=[16, 32],
+                  num_warps=4, stages=[2, 4], row_tiles=1, load_width="bulk", mask="tree"),
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -49,7 +52,7 @@ def test_k2_full_case_set(kernels):
         _check(k, quick=i > 0)  # full set (128k, > 4 GiB pool) on the first, quick on the rest
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov"])
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)
