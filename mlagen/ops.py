@@ -5,6 +5,7 @@ device pointers, strides and the stream; no torch headers in the compiled code).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from pathlib import Path
@@ -23,6 +24,7 @@ CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA 
 AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best wave cost
 
 
+@functools.lru_cache(maxsize=1024)  # called on every launch of an auto variant: compute each (units, slots) once
 def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
     """Split count for ``units`` = batch x row blocks independent CTA groups on ``slots`` CTA slots.
 

@@ -2,15 +2,8 @@
 # One device call: SGLang backend parity test, ncu stall breakdown of a variant, a tile sweep.
 #   run: bash tools/device_probe.sh [URI]      carry: [".whl"]
 set -u
-OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"
-export MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlc} PYTHONUNBUFFERED=1 COLUMNS=250
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/whl.log" 2>&1 || echo "wheels: see whl.log"
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || echo "pip -e: see pip.log"
+. "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 URI=${1:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt2_st2_tree_bf16_sm120_sm90}
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
-         echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|skipped|error' "$OUT/$name.log" | tail -1)"; }
 step pytest_sglang ${SGL_LIMIT:-200} env MLAGEN_SGLANG_REPLAYS=${REPLAYS:-1000} python3 -m pytest -m gpu -q -rs -x tests/test_sglang_backend_gpu.py
 tail -15 "$OUT/pytest_sglang.log"
 R="barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected selected dispatch_stall lg_throttle no_instruction membar branch_resolving misc"

@@ -8,14 +8,7 @@
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
-OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"
-export MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlc} PYTHONUNBUFFERED=1 COLUMNS=250
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/whl.log" 2>&1 || echo "wheels: see whl.log"
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || echo "pip -e: see pip.log"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
-         echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|skipped|ERROR SUMMARY|built [0-9]+ variants|wrote' "$OUT/$name.log" | tail -1)"; }
+. "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 sglang_test() {
   python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
   step pytest_sglang "${SGL_LIMIT:-240}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \

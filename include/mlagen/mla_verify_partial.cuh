@@ -36,6 +36,17 @@ namespace mlagen {
 inline constexpr int kAblate = MLAGEN_ABLATE;
 inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kAblatePV = 8, kAblateBarriers = 16;
 
+// Zeroes an array of mma accumulator fragments, [tiles][n tiles][4] fp32.
+template <int kA, int kB>
+__device__ __forceinline__ void zero_fragments(float (&f)[kA][kB][4]) {
+#pragma unroll
+  for (int a = 0; a < kA; ++a)
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[a][b][e] = 0.f;
+}
+
 template <class Cfg>
 __device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_len, int query_idx,
                                             int64_t mask_row) {
@@ -103,11 +114,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
 
   // ---- page-table gather: thread n < kBlockN owns token n of a tile. Its global load is issued
   // one iteration before the slot is needed, so the dependent load stays off the critical path.
-  auto slot_of = [&](int tile) -> int64_t {
-    const int pos = tile * Cfg::kBlockN + tid;
-    if (tid >= Cfg::kBlockN || pos >= kv_len) return -1;
+  auto slot_at = [&](int pos) -> int64_t {  // cache slot of token position pos < kv_len
     const int64_t page = page_row[pos / Cfg::kPageSize];
     return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+  };
+  auto slot_of = [&](int tile) -> int64_t {
+    const int pos = tile * Cfg::kBlockN + tid;
+    return tid < Cfg::kBlockN && pos < kv_len ? slot_at(pos) : -1;
   };
   auto ring = [&](int tile) { return slot_smem + ((tile - tile_begin) % Cfg::kStages) * Cfg::kBlockN; };
 
@@ -135,9 +148,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   const bool bulk_lane = lane < Cfg::kBulkTokensPerWarp && bulk_n < Cfg::kBlockN;
   auto bulk_slot = [&](int tile) -> int64_t {
     const int pos = tile * Cfg::kBlockN + bulk_n;
-    if (!bulk_lane || pos >= kv_len) return -1;
-    const int64_t page = page_row[pos / Cfg::kPageSize];
-    return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+    return bulk_lane && pos < kv_len ? slot_at(pos) : -1;
   };
   auto bulk_load_tile = [&](int tile, int64_t slot) {
     const int stage = (tile - tile_begin) % Cfg::kStages;
@@ -213,12 +224,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   }
 
   float o_acc[Cfg::kRowTiles][Cfg::kNTilesO][4];
-#pragma unroll
-  for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[mt][nt][e] = 0.f;
+  zero_fragments(o_acc);
 
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;  // exp(x) = 2^(x log2 e)
   // Tree-mask row of each softmax row this thread owns (fixed across tiles), loaded once.
@@ -240,12 +246,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     const __nv_bfloat16* k_smem = kv_smem + stage * (Cfg::kBlockN * Cfg::kKvRowElems);
     // ---- partial scores over this warp's k slice: s_frag[row tile][n8 tile][4]
     float s_frag[Cfg::kRowTiles][Cfg::kNTilesS][4];
-#pragma unroll
-    for (int mt = 0; mt < Cfg::kRowTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_frag[mt][nt][e] = 0.f;
+    zero_fragments(s_frag);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKStepsPerWarp; ++kk) {
       if (!(kAblate & kAblateScores) && ks_begin + kk < ks_end) {
