@@ -44,6 +44,19 @@ def _events_median(fn, reps):
     return statistics.median(ts)
 
 
+def _profile(fn, title: str, reps: int = 5) -> None:
+    """Print the ops with the most host (self CPU) time over ``reps`` calls of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n# {title} ({reps} calls)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=8)
@@ -52,6 +65,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="16384,65536")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--profile-eager", action="store_true",
+                    help="also print torch.profiler's top ops of each backend's eager step (first bs and context)")
     ap.add_argument("--uri", help="which of the variants built here to use (bulk bn32 w8 rt1 st2 auto for these H/q/ps; "
                     "the only one built today)")
     a = ap.parse_args()
@@ -93,6 +108,8 @@ def main() -> int:
                     return T._forward(be, layer, fb, b.q, b.k, "verify")
                 outs[name] = eager().float()
                 res[name + "_eager"] = _events_median(eager, max(5, a.reps // 5))
+                if a.profile_eager and bs == bss[0] and ctx == ctxs[0]:
+                    _profile(eager, f"{name} eager step, bs {bs} ctx {ctx}")
                 fb = b.forward_batch()
                 be.init_forward_metadata_out_graph(fb, in_capture=True)
                 s = torch.cuda.Stream()

@@ -55,9 +55,12 @@ def template_context(v: Variant) -> dict:
     )
 
 
-def render_variant(v: Variant) -> str:
-    """CUDA source (pybind11 module) of variant ``v``."""
-    return render(MODULE_TEMPLATE, **template_context(v))
+def render_variant(v: Variant, module_name: str | None = None) -> str:
+    """CUDA source (pybind11 module) of variant ``v``, as module ``module_name`` (default its build_key)."""
+    ctx = template_context(v)
+    if module_name is not None:
+        ctx["uri"] = module_name
+    return render(MODULE_TEMPLATE, **ctx)
 
 
 def headers_digest() -> str:

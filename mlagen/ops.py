@@ -45,13 +45,31 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int
     return next(s for s, c in enumerate(costs, start=1) if c <= best * AUTO_WAVE_SLACK)
 
 
+_LOADED: dict[str, Path] = {}
+
+
 def load_module(key: str, so_path: str | Path):
-    """Import the compiled module named ``key`` from ``so_path``."""
-    spec = importlib.util.spec_from_file_location(key, str(so_path))
+    """Import the compiled module named ``key`` from ``so_path``.
+
+    CPython keeps the first extension module imported under a name: importing another .so under the
+    same name returns the first one silently (a rebuilt or differently compiled variant would run
+    stale code). So one name maps to one file per process.
+
+    Raises:
+        ImportError: the file cannot be loaded, or ``key`` was already loaded from another file.
+    """
+    path = Path(so_path).resolve()
+    if _LOADED.get(key, path) != path:
+        raise ImportError(
+            f"module {key} is already loaded from {_LOADED[key]}; a process can load only one build of it "
+            f"(asked for {path}). Restart the process, or build under another module name."
+        )
+    spec = importlib.util.spec_from_file_location(key, str(path))
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {so_path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    _LOADED[key] = path
     return mod
 
 
@@ -66,10 +84,10 @@ class VerifyKernel:
         variant: the :class:`~mlagen.spec.Variant` (heads, q_len max, page_size, mask, nsplit, ...).
     """
 
-    def __init__(self, variant: Variant, so_path: str | Path):
+    def __init__(self, variant: Variant, so_path: str | Path, module_name: str | None = None):
         self.variant = variant
         self.so_path = Path(so_path)
-        self.module = load_module(variant.build_key, so_path)
+        self.module = load_module(module_name or variant.build_key, so_path)
         self._sm: dict[int, int] = {}
         self.smem_per_sm_cap: int | None = None  # set by limit_smem_per_sm
 

@@ -163,3 +163,33 @@ def test_auto_split_uses_the_emulated_occupancy(monkeypatch):
     one = a.num_splits(1, torch.device("cuda", 0))
     assert a._sm[0] == 132  # 102,400 // (87,520 + 1,024) = 1 CTA per SM
     assert one < two
+
+
+def test_load_module_refuses_a_second_file_under_one_name(tmp_path):
+    """CPython silently returns the first extension imported under a name; load_module must refuse instead."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    import pybind11
+
+    from mlagen.ops import load_module
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    name = f"mlagen_ldtest_{tmp_path.name.replace('-', '_')}"
+    sos = []
+    for value in (7, 11):
+        src = tmp_path / f"m{value}.cpp"
+        src.write_text(f"#include <pybind11/pybind11.h>\nPYBIND11_MODULE({name}, m) {{ m.def(\"v\", [] {{ return {value}; }}); }}\n")
+        d = tmp_path / f"d{value}"
+        d.mkdir()
+        so = d / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        subprocess.run([cxx, "-O0", "-shared", "-fPIC", f"-I{pybind11.get_include()}",
+                        f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(so)], check=True)
+        sos.append(so)
+    assert load_module(name, sos[0]).v() == 7
+    assert load_module(name, sos[0]).v() == 7  # the same file again is fine
+    with pytest.raises(ImportError, match="already loaded from"):
+        load_module(name, sos[1])

@@ -39,7 +39,17 @@ CAPTURE_BS = (1, 2, 4, 8, 16)
 Q_TREE, Q_CHAIN = 8, 4
 WIDTH = 1024  # req_to_token columns (max context)
 REPLAYS = int(os.environ.get("MLAGEN_SGLANG_REPLAYS", "1000"))  # the issue's bar is 1000
-ATOL = 3e-2
+# bf16 outputs of two kernels (Triton's and ours) each round once: they may differ by an ulp of the
+# value (0.031 for |out| in [4, 8)), so the bound is atol + rtol * |ref| (rtol: torch.testing's bf16).
+ATOL, RTOL = 2e-2, 1.6e-2
+
+
+def _check(ref: torch.Tensor, out: torch.Tensor, what: str) -> float:
+    """Max |out - ref| (fp32 of bf16 outputs); asserts it is within ATOL + RTOL * |ref| everywhere (NaN fails)."""
+    d = (out - ref).abs()
+    excess = (d - ATOL - RTOL * ref.abs()).max().item()
+    assert excess <= 0.0, f"{what}: max err {d.max().item():.4g} exceeds atol {ATOL} + rtol {RTOL} * |ref| by {excess:.3g}"
+    return d.max().item()
 SCALE = 0.1352 * 1.1  # 1/sqrt(192) times a yarn-like mscale
 
 
@@ -382,7 +392,7 @@ def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
             be.init_forward_metadata(fb)
             outs.append(_forward(be, layer, fb, b.q, b.k, role).float())
         assert ours.forward_metadata is not None, "mlagen did not take the batch"
-        errs["eager"] = max(errs["eager"], (outs[0] - outs[1]).abs().max().item())
+        errs["eager"] = max(errs["eager"], _check(outs[0], outs[1], "eager"))
 
     # ---- CUDA graphs: static buffers like the decode runner's, capture per bucket
     per = q_len if role == "verify" else 1
@@ -444,23 +454,20 @@ def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
             g.replay()
             outs[name] = out.float().clone()
         n_pad_seen += bs - raw
-        err = (outs["ref"][:T_raw] - outs["ours"][:T_raw]).abs().max().item()
+        err = _check(outs["ref"][:T_raw], outs["ours"][:T_raw], f"replay {it}: raw bs {raw} (bucket {bs})")
         errs["replay"] = max(errs["replay"], err)
-        assert err < ATOL, f"replay {it}: raw bs {raw} (bucket {bs}) max err {err}"
         if bs > raw:
             assert outs["ours"][T_raw:T].abs().max().item() == 0.0, "padded rows must output 0"
         if it % 100 == 0:  # replay == eager on the same batch
             fb = b.forward_batch()
             ours.init_forward_metadata(fb)
             eager = _forward(ours, layer, fb, b.q, b.k, role).float()
-            d = (eager - outs["ours"][:T_raw]).abs().max().item()
+            d = _check(eager, outs["ours"][:T_raw], f"replay {it} vs eager")
             errs["replay_vs_eager"] = max(errs["replay_vs_eager"], d)
             # Same batch size => same split count => bitwise equal; a padded bucket may split
             # the KV differently, so only bf16 rounding may differ.
             if bs == raw:
                 assert d == 0.0, f"replay {it} differs from eager by {d} at the same batch size"
-            assert d < ATOL, f"replay {it} differs from eager by {d}"
     assert n_pad_seen > 0
     print(f"\n[mlagen vs triton] {role} H={H} ps={ps} draft={draft} q_len={q_len}: "
           + ", ".join(f"max err {k} {v:.3e}" for k, v in errs.items()))
-    assert errs["eager"] < ATOL, errs

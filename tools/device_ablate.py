@@ -33,10 +33,15 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
+def module_name(v: Variant, mask: int) -> str:
+    """Each ablation is its own module: CPython returns the first module imported under a name."""
+    return f"{v.build_key}_ab{mask}"
+
+
 def build(v: Variant, mask: int, out_dir: Path) -> Path:
-    src = out_dir / f"{v.build_key}_ab{mask}.cu"
-    so = out_dir / f"{v.build_key}_ab{mask}{ext_suffix()}"
-    src.write_text(f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v))
+    src = out_dir / f"{module_name(v, mask)}.cu"
+    so = out_dir / f"{module_name(v, mask)}{ext_suffix()}"
+    src.write_text(f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v, module_name(v, mask)))
     r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"nvcc failed for ablation {mask}:\n{r.stderr[-3000:]}")
@@ -63,11 +68,11 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=min(len(MASKS), os.cpu_count() or 1)) as pool:
         sos = dict(zip(MASKS, pool.map(lambda m: build(v, m, out_dir), MASKS)))
     rows = {}
-    for mask, so in sos.items():
-        k = VerifyKernel(v, so)
+    kernels = {mask: VerifyKernel(v, so, module_name(v, mask)) for mask, so in sos.items()}
+    for mask, k in kernels.items():
         rows[mask] = [bench_kernel(k, Shape(v.heads, v.q_len, a.batch, c, v.page_size))["median_us"] for c in ctxs]
         print(f"ablate {mask:2d} {MASKS[mask]:34s} " + " ".join(f"{t:8.1f}" for t in rows[mask]), flush=True)
-    print(f"\n{a.uri} on {torch.cuda.get_device_name()}, bs {a.batch}, splits {VerifyKernel(v, sos[0]).num_splits(a.batch)}")
+    print(f"\n{a.uri} on {torch.cuda.get_device_name()}, bs {a.batch}, splits {kernels[0].num_splits(a.batch)}")
     print("| ablation | " + " | ".join(f"{c} µs (saved)" for c in ctxs) + " |")
     print("|---|" + "---|" * len(ctxs))
     for mask, ts in rows.items():

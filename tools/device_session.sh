@@ -15,7 +15,7 @@ sglang_test() {
     python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py
   grep -E "mlagen vs triton|Error|error|FAILED|SKIPPED" "$OUT/pytest_sglang.log" | head -30
   if grep -q "passed" "$OUT/pytest_sglang.log"; then
-    step backend_step "${STEP_LIMIT:-150}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4
+    step backend_step "${STEP_LIMIT:-150}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 ${STEP_ARGS:-}
     grep -E "^\||variant|not measured|Error" "$OUT/backend_step.log" | tail -8
   else
     python3 tools/sglang_import_probe.py > "$OUT/sglang_probe.log" 2>&1; tail -6 "$OUT/sglang_probe.log"
