@@ -84,6 +84,8 @@ def main() -> int:
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
+    ap.add_argument("--kernels", metavar="GLOB", help="only tuning variants whose uri matches this shell glob "
+                    "(e.g. '*_bn32_w8_rt2_st2_tree_*'; keep the ns field free so auto and fixed NSPLIT both build)")
     ap.add_argument("--smem-per-sm", type=_smem_arg, help="time mlagen as if an SM had this much shared memory: bytes, or "
                     "'sm120' (102400, RTX PRO 6000) so CTAs per SM match the sm_120 target")
     a = ap.parse_args()
@@ -118,7 +120,7 @@ def main() -> int:
     kernels: dict[tuple, list[VerifyKernel]] = {}
     t0 = time.time()
     for H, q, ps in sorted({(H, q, ps) for H, q, _, _, ps in grid}):
-        rep = build(parse_spec(tuning_spec(H, q, ps)), jobs=a.jobs)
+        rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
         for v, m in rep.failed:
             print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
         ks = []
@@ -141,6 +143,9 @@ def main() -> int:
                 ks.append(k)
             else:
                 print(f"NOT verified, excluded: {b.uri}")
+        if not ks:
+            print(f"no verified variant for H={H} q_len={q} page_size={ps}" + (f" matching --kernels {a.kernels}" if a.kernels else ""))
+            return 1
         kernels[(H, q, ps)] = ks
     print(f"built + verified {sum(len(v) for v in kernels.values())} variants in {time.time() - t0:.0f} s", flush=True)
 
