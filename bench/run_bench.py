@@ -53,7 +53,7 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
                 nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3], row_tiles=rt, num_warps=[4, 8],
-                overlap=[0, 1],
+                overlap=[0, 1], cluster=[1, 3, 5],  # infeasible pairs (cluster > row blocks, cluster + overlap) drop
                 load_width="bulk")  # bulk beat 128-bit cp.async at every shape of the H200 grid; 4 warps
                                     # (bn16 rt1: 45.5 KB, 2 CTAs/SM on sm_120) not measured yet
 
@@ -189,6 +189,8 @@ def main() -> int:
                 row["sglang_error"] = f"{type(e).__name__}: {e}"
         rows.append(row)
         print(_fmt(row), flush=True)
+        if len(times) > 1:  # the tile sweep of this shape, fastest first
+            print("    tiles: " + ", ".join(f"{_tile(u)} {t:.1f}" for u, t in sorted(times.items(), key=lambda x: x[1])), flush=True)
         # partial record after every shape: a job cut short by its time limit still leaves its rows
         (out_dir / "bench.json").write_text(json.dumps(dict(partial=True, ceilings=ceil, rows=rows, nsplit_sweep=sweep), indent=1))
         del p
@@ -219,11 +221,17 @@ def _smem_arg(text: str):
     return n
 
 
-def _fmt(r: dict) -> str:
+def _tile(uri: str) -> str:
+    """The tuning part of a uri: load width, block_n, warps, row tiles, stages, overlap, cluster."""
     from mlagen.spec import Variant
 
-    v = Variant.from_uri(r["mlagen_uri"])
-    tile = f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
+    v = Variant.from_uri(uri)
+    return (f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
+            f"{'_ov1' if v.overlap else ''}{f'_cl{v.cluster}' if v.cluster > 1 else ''}")
+
+
+def _fmt(r: dict) -> str:
+    tile = _tile(r["mlagen_uri"])
     s = (f"H={r['H']:3d} q={r['q_len']} bs={r['bs']:2d} ctx={r['ctx']:6d} ps={r['page_size']:2d} | mlagen {tile} "
          f"{r['mlagen_us']:8.1f} us {r['gbs']:6.0f} GB/s {r['frac_floor']:.2f} of floor ({r['floor_us']:.1f} us)")
     if "sglang_verify_us" in r:
