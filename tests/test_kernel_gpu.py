@@ -20,7 +20,7 @@ SPECS = {
     # thread-block clusters: each KV row read once per cluster, multicast to its row blocks (cluster 5 =
     # all 5 row blocks of 72 rows at rt1; 3 with a rounded-up grid: 6 CTAs, the last one rowless)
     "k2_cl": dict(name="gpu_k2_cl", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 16], block_n=32,
-                  stages=[2, 3], row_tiles=1, load_width="bulk", cluster=[3, 5], mask="tree"),
+                  stages=2, row_tiles=1, load_width="bulk", cluster=[3, 5], mask="tree"),
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),

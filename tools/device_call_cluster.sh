@@ -4,7 +4,7 @@
 . tools/device_env.sh
 U=mla_verify_h8_q9_kv512_rope64
 (timeout 100 python3 tools/device_profile.py ${U}_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_cl5_tree_bf16_sm120_sm90 0 0 quick > $OUT/verify_cl5.log 2>&1; echo "rc=$?" >> $OUT/verify_cl5.log) &
-(timeout 100 python3 tools/device_profile.py ${U}_ps64_nsauto_lwbulk_bn32_w8_rt1_st3_cl3_tree_bf16_sm120_sm90 0 0 quick > $OUT/verify_cl3.log 2>&1; echo "rc=$?" >> $OUT/verify_cl3.log) &
+(timeout 100 python3 tools/device_profile.py ${U}_ps64_nsauto_lwbulk_bn32_w8_rt1_st2_cl3_tree_bf16_sm120_sm90 0 0 quick > $OUT/verify_cl3.log 2>&1; echo "rc=$?" >> $OUT/verify_cl3.log) &
 wait
 tail -n 14 $OUT/verify_cl5.log $OUT/verify_cl3.log | cut -c1-200
 if grep -q "rc=0" $OUT/verify_cl5.log && grep -q "rc=0" $OUT/verify_cl3.log && ! grep -q FAIL $OUT/verify_cl*.log; then
