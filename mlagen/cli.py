@@ -373,7 +373,7 @@ def _server_arch(arch: str | None) -> str:
 @click.option("--uri", "uris", multiple=True, help="Install this variant instead of picking (repeatable).")
 @click.option("--arch", type=click.Choice(["sm_120", "sm_90"]), help="Server GPU arch (default: this machine's GPU).")
 def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> None:
-    """Make the fastest verified variant of each shape bucket of SPEC (or --uri) SGLang's `mlagen` backend."""
+    """Install the fastest verified variant of each shape bucket of SPEC (or the --uri variants) as SGLang's `mlagen` backend."""
     from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
     from mlagen.registry import Registry
     from mlagen.sglang_plugin.installed import InstalledStateError, read_installed, write_installed

@@ -198,7 +198,7 @@ def _build_hint(f: ServerFacts, role: str, q_len: int, mask: str) -> str:
     return (
         f"Build and install a {role} variant with heads_per_rank: {f.heads_per_rank}, q_len: {q_len}, "
         f"page_size: {f.page_size}, kv_lora_rank: {f.kv_lora_rank}, qk_rope_head_dim: {f.qk_rope_head_dim}, "
-        f"mask: {mask} (`mlagen build SPEC.yaml`, then `mlagen install URI`)."
+        f"mask: {mask} (`mlagen build SPEC.yaml`, then `mlagen install SPEC.yaml` or `mlagen install --uri URI`)."
     )
 
 
