@@ -50,7 +50,6 @@ def template_context(v: Variant) -> dict:
         row_tiles=int(v.row_tiles),
         stages=int(v.stages),
         overlap=int(v.overlap),
-        cluster=int(v.cluster),
         mask_cpp=MASKS[v.mask][0],
         smem_limit=min(SMEM_LIMIT[a] for a in v.archs),
     )

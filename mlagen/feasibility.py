@@ -54,12 +54,6 @@ def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
     if v.overlap and v.load_width != "bulk":
         return f"overlap needs load_width bulk, got {v.load_width}"
-    if v.cluster > 1:
-        if v.load_width != "bulk" or v.overlap:
-            return f"cluster {v.cluster} needs load_width bulk and overlap 0 (got {v.load_width}, overlap {v.overlap})"
-        blocks = -(-v.rows_max // v.rows_per_cta)
-        if v.cluster > blocks:
-            return f"cluster {v.cluster} > {blocks} row blocks of {v.rows_max} rows: nothing to share"
     r = resources(v)
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:

@@ -45,31 +45,35 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int
     return next(s for s, c in enumerate(costs, start=1) if c <= best * AUTO_WAVE_SLACK)
 
 
-_LOADED: dict[str, Path] = {}
+_LOADED: dict[str, tuple[Path, object]] = {}
 
 
 def load_module(key: str, so_path: str | Path):
     """Import the compiled module named ``key`` from ``so_path``.
 
     CPython keeps the first extension module imported under a name: importing another .so under the
-    same name returns the first one silently (a rebuilt or differently compiled variant would run
-    stale code). So one name maps to one file per process.
+    same name silently returns the first one, so a differently compiled build would run stale code.
+    A second file is accepted only when it is the same build: the same file name (the registry names
+    modules ``<build_key>.<source hash>``) or the same bytes; the module loaded first is returned.
 
     Raises:
-        ImportError: the file cannot be loaded, or ``key`` was already loaded from another file.
+        ImportError: the file cannot be loaded, or ``key`` was already loaded from a different build.
     """
     path = Path(so_path).resolve()
-    if _LOADED.get(key, path) != path:
+    if key in _LOADED:
+        prev, mod = _LOADED[key]
+        if path == prev or path.name == prev.name or path.read_bytes() == prev.read_bytes():
+            return mod
         raise ImportError(
-            f"module {key} is already loaded from {_LOADED[key]}; a process can load only one build of it "
-            f"(asked for {path}). Restart the process, or build under another module name."
+            f"module {key} is already loaded from {prev}; a process can load only one build of it "
+            f"(asked for {path}, a different build). Restart the process, or build under another module name."
         )
     spec = importlib.util.spec_from_file_location(key, str(path))
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {so_path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _LOADED[key] = path
+    _LOADED[key] = (path, mod)
     return mod
 
 

@@ -80,9 +80,6 @@ PARAMS: dict[str, Param] = {
         Param("row_tiles", int, lo=1, hi=8, default=2),
         Param("stages", int, lo=2, hi=6, default=3),
         Param("overlap", int, allowed=(0, 1), default=0),  # 1: scores of tile t+1 overlap P V of tile t (bulk only)
-        # CTAs of consecutive row blocks in one thread-block cluster: each KV row is read once per
-        # cluster and multicast into every CTA's stage (bulk, overlap 0 only); 1 = no cluster
-        Param("cluster", int, lo=1, hi=8, default=1),
         Param("mask", str, allowed=tuple(MASKS), default="tree"),
         Param("dtype", str, allowed=tuple(DTYPES), default="bf16"),
     ]
@@ -94,7 +91,7 @@ DEFAULT_ARCHS = ("sm_120", "sm_90")
 
 _URI_RE = __import__("re").compile(
     r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
-    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?(?:_cl(?P<cl>[2-8]))?"
+    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?"
     r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16)_(?P<archs>sm\d+(?:_sm\d+)*)"
 )
 
@@ -119,7 +116,6 @@ class Variant:
     archs: tuple[str, ...]
     kernel: str = "mla_verify"
     overlap: int = 0  # 1 only with load_width bulk; in the uri as _ov1 (absent = 0)
-    cluster: int = 1  # CTAs per cluster sharing KV loads by multicast; in the uri as _cl{n} (absent = 1)
 
     @property
     def uri(self) -> str:
@@ -128,7 +124,6 @@ class Variant:
             f"{self.kernel}_h{self.heads}_q{self.q_len}_kv{self.kv_lora_rank}_rope{self.qk_rope_head_dim}"
             f"_ps{self.page_size}_ns{self.nsplit}_lw{self.load_width}_bn{self.block_n}_w{self.num_warps}"
             f"_rt{self.row_tiles}_st{self.stages}{'_ov1' if self.overlap else ''}"
-            f"{f'_cl{self.cluster}' if self.cluster > 1 else ''}"
             f"_{MASKS[self.mask][1]}_{DTYPES[self.dtype][1]}_{arch}"
         )
 
@@ -164,9 +159,7 @@ class Variant:
 
     @property
     def row_blocks(self) -> int:
-        """CTAs per (split, request) in the grid: row blocks of rows_max, rounded up to whole clusters."""
-        blocks = -(-self.rows_max // self.rows_per_cta)
-        return -(-blocks // self.cluster) * self.cluster
+        return -(-self.rows_max // self.rows_per_cta)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -189,8 +182,7 @@ class Variant:
         return cls(heads=int(g["h"]), q_len=int(g["q"]), kv_lora_rank=int(g["kv"]), qk_rope_head_dim=int(g["rope"]),
                    page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=g["lw"] if g["lw"] == "bulk" else int(g["lw"]),
                    block_n=int(g["bn"]), num_warps=int(g["w"]), row_tiles=int(g["rt"]), stages=int(g["st"]),
-                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0,
-                   cluster=int(g["cl"]) if g["cl"] else 1)
+                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Variant":
@@ -221,7 +213,7 @@ class Spec:
                     qk_rope_head_dim=kv["qk_rope_head_dim"], page_size=kv["page_size"], nsplit=kv["nsplit"],
                     load_width=kv["load_width"], block_n=kv["block_n"], num_warps=kv["num_warps"],
                     row_tiles=kv["row_tiles"], stages=kv["stages"], mask=kv["mask"], dtype=kv["dtype"],
-                    archs=self.archs, kernel=self.kernel, overlap=kv["overlap"], cluster=kv["cluster"],
+                    archs=self.archs, kernel=self.kernel, overlap=kv["overlap"],
                 )
             )
         return out

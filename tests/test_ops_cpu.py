@@ -166,7 +166,8 @@ def test_auto_split_uses_the_emulated_occupancy(monkeypatch):
 
 
 def test_load_module_refuses_a_second_file_under_one_name(tmp_path):
-    """CPython silently returns the first extension imported under a name; load_module must refuse instead."""
+    """CPython silently returns the first extension imported under a name: load_module must refuse a
+    different build, and accept the same build from another cache (same file name or same bytes)."""
     import shutil
     import subprocess
     import sysconfig
@@ -179,17 +180,21 @@ def test_load_module_refuses_a_second_file_under_one_name(tmp_path):
     if cxx is None:
         pytest.skip("no C++ compiler")
     name = f"mlagen_ldtest_{tmp_path.name.replace('-', '_')}"
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
     sos = []
     for value in (7, 11):
         src = tmp_path / f"m{value}.cpp"
         src.write_text(f"#include <pybind11/pybind11.h>\nPYBIND11_MODULE({name}, m) {{ m.def(\"v\", [] {{ return {value}; }}); }}\n")
-        d = tmp_path / f"d{value}"
-        d.mkdir()
-        so = d / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        so = tmp_path / f"{name}.v{value}{ext}"  # registry-style names: module name + build hash
         subprocess.run([cxx, "-O0", "-shared", "-fPIC", f"-I{pybind11.get_include()}",
                         f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(so)], check=True)
         sos.append(so)
-    assert load_module(name, sos[0]).v() == 7
-    assert load_module(name, sos[0]).v() == 7  # the same file again is fine
+    first = load_module(name, sos[0])
+    assert first.v() == 7
+    assert load_module(name, sos[0]) is first  # the same file again
+    other_cache = tmp_path / "other-cache"
+    other_cache.mkdir()
+    assert load_module(name, shutil.copy(sos[0], other_cache / sos[0].name)) is first  # same build elsewhere
+    assert load_module(name, shutil.copy(sos[0], other_cache / "renamed.so")) is first  # same bytes
     with pytest.raises(ImportError, match="already loaded from"):
         load_module(name, sos[1])

@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 
 from mlagen.feasibility import infeasible_reason, resources, split_feasible
@@ -36,14 +34,6 @@ def test_uri_has_every_parameter_and_round_trips():
 
     bad = parse_spec(dict(BASE, load_width=128, overlap=1, stages=2)).variants()[0]
     assert infeasible_reason(bad) == "overlap needs load_width bulk, got 128"
-    c = parse_spec(dict(BASE, load_width="bulk", row_tiles=1, cluster=5)).variants()[0]
-    assert "_st3_cl5_tree_" in c.uri and Variant.from_uri(c.uri) == c and "_cl" not in b.uri
-    assert c.row_blocks == 5 and dataclasses.replace(c, cluster=3).row_blocks == 6  # whole clusters
-    assert infeasible_reason(c) is None
-    assert infeasible_reason(dataclasses.replace(c, load_width=128)).startswith("cluster 5 needs load_width bulk")
-    assert infeasible_reason(dataclasses.replace(c, row_tiles=2)) == "cluster 5 > 3 row blocks of 72 rows: nothing to share"
-    with pytest.raises(SpecError, match="spec key 'cluster'"):
-        parse_spec(dict(BASE, cluster=9))
     with pytest.raises(ValueError, match="not an mlagen variant uri"):
         Variant.from_uri("mla_verify_h8")
 

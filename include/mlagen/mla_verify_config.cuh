@@ -13,7 +13,7 @@ inline constexpr int kSmemLimitSm120 = 101376;
 inline constexpr int kSmemLimitSm90 = 232448;
 
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_, int kWarps_,
-          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120, int kOverlap_ = 0, int kCluster_ = 1>
+          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120, int kOverlap_ = 0>
 struct MlaVerifyConfig {
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank
@@ -33,12 +33,6 @@ struct MlaVerifyConfig {
   static constexpr int kRowsPerCta = kRowTiles * 16;
   static constexpr int kRowsMax = kHeads * kQLenMax;
   static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
-  // Thread-block cluster of kCluster consecutive row blocks of one (split, request): every KV row
-  // is read from global memory once per cluster, by one of its CTAs, and multicast into the same
-  // stage offset of all of them (cp.async.bulk .multicast::cluster). The grid's row-block count is
-  // rounded up to whole clusters; a CTA past the last row keeps loading for its peers.
-  static constexpr int kCluster = kCluster_;
-  static constexpr int kGridRowBlocks = (kRowBlocks + kCluster - 1) / kCluster * kCluster;
   static constexpr int kStages = kStages_;
 
   // S = Q K^T: warps form kNGroups x kKGroups; warp (ng, kg) computes partial scores of all rows
@@ -101,9 +95,6 @@ struct MlaVerifyConfig {
                 "bulk copies move 16-byte multiples between 16-byte aligned rows");
   static_assert(!kBulkLoad || kBulkTokensPerWarp <= 32, "bulk loader: one token per lane");
   static_assert(!kOverlap || kBulkLoad, "overlap needs load_width bulk");
-  static_assert(kCluster >= 1 && kCluster <= 8, "cluster must be in [1, 8] (portable cluster size)");
-  static_assert(kCluster == 1 || (kBulkLoad && !kOverlap), "cluster needs load_width bulk and overlap 0");
-  static_assert(kCluster <= kRowBlocks, "cluster larger than the row blocks that share a KV tile");
   static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
   static_assert(kDimV % 4 == 0 && kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");

@@ -30,26 +30,9 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
   if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr) return cudaErrorInvalidValue;
   if (p.batch_size == 0) return cudaSuccess;
-  const dim3 grid_partial(Cfg::kGridRowBlocks, p.num_splits, p.batch_size);
-  cudaError_t err;
-  if constexpr (Cfg::kCluster > 1) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid_partial;
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, mla_verify_partial_kernel<Cfg>, p);
-  } else {
-    mla_verify_partial_kernel<Cfg><<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-    err = cudaGetLastError();
-  }
+  const dim3 grid_partial(Cfg::kRowBlocks, p.num_splits, p.batch_size);
+  mla_verify_partial_kernel<Cfg><<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 grid_combine(Cfg::kRowsMax, p.batch_size);
   mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN><<<grid_combine, Cfg::kDimV / 4, 0, stream>>>(p);

@@ -90,10 +90,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   const int q_len = p.q_len;
   const int rows = q_len * Cfg::kHeads;
   const int row0 = row_block * Cfg::kRowsPerCta;
-  // Without a cluster a CTA past the last row has nothing to do; in a cluster it still loads its
-  // share of every KV tile for its peers (live_rows = 0: no row is computed into the output).
-  if (Cfg::kCluster == 1 && row0 >= rows) return;
-  const int live_rows = rows <= row0 ? 0 : rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
+  if (row0 >= rows) return;
+  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
 
   const int kv_len = p.kv_lens[b];
   const int prefix_len = kv_len - q_len;
@@ -102,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
 
   const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
   float* lse_part = p.lse_part + ws_row_base;
-  if (tile_begin >= tile_end) {  // empty split: contributes nothing (the whole cluster leaves: same split)
+  if (tile_begin >= tile_end) {  // empty split: contributes nothing
     for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
     return;
   }
@@ -146,24 +144,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   // copies, so the tile is spread over all warps). Thread 0 posts the tile's byte count on the
   // stage's mbarrier. Rows past kv_len (last tile of a request) are zeroed with plain stores; the
   // __syncthreads of a later iteration makes them visible before the tile is consumed.
-  // In a cluster, token n is copied by CTA n % kCluster only, multicast to all (each CTA still
-  // expects the whole tile's bytes on its own barrier and zeroes the rows past kv_len itself).
   const int bulk_n = warp * Cfg::kBulkTokensPerWarp + lane;
   const bool bulk_lane = lane < Cfg::kBulkTokensPerWarp && bulk_n < Cfg::kBlockN;
-  const bool bulk_issuer =
-      bulk_lane && (Cfg::kCluster == 1 || bulk_n % Cfg::kCluster == static_cast<int>(ptx::cluster_ctarank()));
   auto bulk_slot = [&](int tile) -> int64_t {
     const int pos = tile * Cfg::kBlockN + bulk_n;
-    return bulk_issuer && pos < kv_len ? slot_at(pos) : -1;
-  };
-  // Cluster-wide when KV stages are shared (a peer's multicast may refill a stage only after every
-  // CTA is done with it), CTA-wide otherwise.
-  auto stage_barrier = [] {
-    if constexpr (Cfg::kCluster > 1) {
-      ptx::cluster_sync();
-    } else {
-      __syncthreads();
-    }
+    return bulk_lane && pos < kv_len ? slot_at(pos) : -1;
   };
   auto bulk_load_tile = [&](int tile, int64_t slot) {
     const int stage = (tile - tile_begin) % Cfg::kStages;
@@ -173,15 +158,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     if (tid == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kRowBytes);
     if (!bulk_lane) return;
     if (bulk_n < valid) {
-      if (bulk_issuer) {
-        if constexpr (Cfg::kCluster > 1) {
-          ptx::bulk_copy_g2s_multicast(dst_stage + bulk_n * Cfg::kKvRowElems, p.kv + slot * p.kv_stride_slot,
-                                       Cfg::kRowBytes, full_bar + stage, static_cast<uint16_t>((1u << Cfg::kCluster) - 1));
-        } else {
-          ptx::bulk_copy_g2s(dst_stage + bulk_n * Cfg::kKvRowElems, p.kv + slot * p.kv_stride_slot, Cfg::kRowBytes,
-                             full_bar + stage);
-        }
-      }
+      ptx::bulk_copy_g2s(dst_stage + bulk_n * Cfg::kKvRowElems, p.kv + slot * p.kv_stride_slot, Cfg::kRowBytes,
+                         full_bar + stage);
     } else {
       uint4* row = reinterpret_cast<uint4*>(dst_stage + bulk_n * Cfg::kKvRowElems);
       for (int c = 0; c < Cfg::kKvRowElems * 2 / 16; ++c) row[c] = make_uint4(0u, 0u, 0u, 0u);
@@ -196,7 +174,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       for (int st = 0; st < Cfg::kStages; ++st) ptx::mbarrier_init(full_bar + st, 1);
       ptx::fence_barrier_init();
     }
-    stage_barrier();  // in a cluster: every peer's barriers exist before the first multicast
+    __syncthreads();
     for (int st = 0; st < Cfg::kStages - 1; ++st) {
       if (!(kAblate & kAblateLoads) && tile_begin + st < tile_end) bulk_load_tile(tile_begin + st, bulk_slot(tile_begin + st));
     }
@@ -429,7 +407,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
         if constexpr (!(kAblate & kAblateLoads)) {
           ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>((tile - tile_begin) / Cfg::kStages) & 1u);
         }
-        stage_barrier();  // every warp (of every CTA in a cluster) is done with the stage refilled below
+        __syncthreads();  // every warp is done with the stage refilled below
         const int next = tile + Cfg::kStages - 1;
         if (!(kAblate & kAblateLoads) && next < tile_end) {
           bulk_load_tile(next, slot_next);
@@ -489,11 +467,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     }
   }
   if constexpr (!Cfg::kBulkLoad) ptx::cp_async_wait<0>();
-  if constexpr (Cfg::kCluster > 1) {
-    ptx::cluster_sync();  // no CTA leaves while a peer may still multicast into it
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   // ---- epilogue: normalized partial O and its LSE (natural log) for the combine step.
   float* o_part = p.o_part + ws_row_base * Cfg::kDimV;
