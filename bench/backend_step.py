@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,24 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from mlagen.bench import events_median_us  # noqa: E402
+
 
 def _load_test_module():
     spec = importlib.util.spec_from_file_location("sgl_gpu_test", ROOT / "tests" / "test_sglang_backend_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _events_median(fn, reps):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def _profile(fn, title: str, reps: int = 5) -> None:
@@ -107,7 +96,7 @@ def main() -> int:
                     be.init_forward_metadata(fb)
                     return T._forward(be, layer, fb, b.q, b.k, "verify")
                 outs[name] = eager().float()
-                res[name + "_eager"] = _events_median(eager, max(5, a.reps // 5))
+                res[name + "_eager"] = events_median_us(eager, max(5, a.reps // 5))
                 if a.profile_eager and bs == bss[0] and ctx == ctxs[0]:
                     _profile(eager, f"{name} eager step, bs {bs} ctx {ctx}")
                 fb = b.forward_batch()
@@ -124,7 +113,7 @@ def main() -> int:
                     be.init_forward_metadata_in_graph(fb)
                     T._forward(be, layer, fb, b.q, b.k, "verify")
                 be.init_forward_metadata_out_graph(b.forward_batch())
-                res[name + "_graph"] = _events_median(g.replay, a.reps)
+                res[name + "_graph"] = events_median_us(g.replay, a.reps)
                 del g
             diff = (outs["ref"] - outs["ours"]).abs().max().item()
             print(f"| {H} | {q} | {bs} | {ctx} | {res['ours_graph']:.1f} | {res['ref_graph']:.1f} | "

@@ -48,15 +48,20 @@ def copy_bandwidth_gbs(device=None, nbytes: int = 1 << 30, reps: int = 20) -> fl
     for _ in range(3):
         dst.copy_(src)
     torch.cuda.synchronize(device)
+    return 2 * n / (events_median_us(lambda: dst.copy_(src), reps) * 1e-6) / 1e9
+
+
+def events_median_us(fn, reps: int) -> float:
+    """Median µs of ``fn()`` over ``reps`` calls, each timed by a CUDA event pair on the current stream."""
     times = []
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * n / statistics.median(times) / 1e9
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        fn()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) * 1e3)
+    return statistics.median(times)
 
 
 def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
@@ -74,15 +79,7 @@ def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
             f()
     for _ in range(warmup):
         g.replay()
-    times = []
-    for _ in range(replays):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en) * 1e3 / len(launches))
-    return statistics.median(times)
+    return events_median_us(g.replay, replays) / len(launches)
 
 
 def bench_kernel(kernel: VerifyKernel, shape: Shape, device="cuda", seed: int = 0) -> dict:

@@ -84,6 +84,7 @@ PARAMS: dict[str, Param] = {
         Param("dtype", str, allowed=tuple(DTYPES), default="bf16"),
     ]
 }
+_FIELD_OF_KEY = {"heads_per_rank": "heads"}  # spec key -> Variant field, where the names differ
 META_KEYS = {"name": str, "description": str, "kernel": str}
 KERNELS = ("mla_verify",)
 DEFAULT_ARCHS = ("sm_120", "sm_90")
@@ -161,6 +162,11 @@ class Variant:
     def row_blocks(self) -> int:
         return -(-self.rows_max // self.rows_per_cta)
 
+    def spec_dict(self, name: str = "variant") -> dict:
+        """A spec mapping (see :func:`parse_spec`) whose only variant is this one."""
+        d = {k: getattr(self, _FIELD_OF_KEY.get(k, k)) for k in PARAMS}
+        return dict(d, name=name, kernel=self.kernel, arch=list(self.archs))
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["archs"] = list(self.archs)
@@ -206,16 +212,8 @@ class Spec:
         keys = list(PARAMS)
         out = []
         for combo in itertools.product(*(self.values[k] for k in keys)):
-            kv = dict(zip(keys, combo))
-            out.append(
-                Variant(
-                    heads=kv["heads_per_rank"], q_len=kv["q_len"], kv_lora_rank=kv["kv_lora_rank"],
-                    qk_rope_head_dim=kv["qk_rope_head_dim"], page_size=kv["page_size"], nsplit=kv["nsplit"],
-                    load_width=kv["load_width"], block_n=kv["block_n"], num_warps=kv["num_warps"],
-                    row_tiles=kv["row_tiles"], stages=kv["stages"], mask=kv["mask"], dtype=kv["dtype"],
-                    archs=self.archs, kernel=self.kernel, overlap=kv["overlap"],
-                )
-            )
+            fields = {_FIELD_OF_KEY.get(k, k): value for k, value in zip(keys, combo)}
+            out.append(Variant(**fields, archs=self.archs, kernel=self.kernel))
         return out
 
 

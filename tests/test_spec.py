@@ -34,6 +34,8 @@ def test_uri_has_every_parameter_and_round_trips():
 
     bad = parse_spec(dict(BASE, load_width=128, overlap=1, stages=2)).variants()[0]
     assert infeasible_reason(bad) == "overlap needs load_width bulk, got 128"
+    for x in (v, b, o):  # spec_dict is the inverse of Spec.variants
+        assert parse_spec(x.spec_dict()).variants() == [x]
     with pytest.raises(ValueError, match="not an mlagen variant uri"):
         Variant.from_uri("mla_verify_h8")
 

@@ -6,9 +6,7 @@ from mlagen.ops import VerifyKernel
 from mlagen.cases import make_problem
 
 v = Variant.from_uri(sys.argv[1])
-b = [x for x in build_variants(dict(name="prof", heads_per_rank=v.heads, q_len=v.q_len, page_size=v.page_size,
-     nsplit=v.nsplit, load_width=v.load_width, block_n=v.block_n, num_warps=v.num_warps, row_tiles=v.row_tiles,
-     stages=v.stages, mask=v.mask, overlap=v.overlap)) if x.uri == v.uri][0]
+b = build_variants(v.spec_dict("prof"), kernels=v.uri)[0]
 k = VerifyKernel(b.variant, b.so_path)
 if len(sys.argv) > 4:
     from mlagen.verify import verify_kernel
