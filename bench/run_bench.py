@@ -52,10 +52,9 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rows = H * q_len
     rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
-                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3], row_tiles=rt, num_warps=[4, 8],
-                overlap=[0, 1],
-                load_width="bulk")  # bulk beat 128-bit cp.async at every shape of the H200 grid; 4 warps
-                                    # (bn16 rt1: 45.5 KB, 2 CTAs/SM on sm_120) not measured yet
+                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3], row_tiles=rt,
+                num_warps=[4, 8, 16], overlap=[0, 1],
+                load_width="bulk")  # bulk beat 128-bit cp.async at every shape of the H200 grid
 
 
 def mlagen_args(p: dict, k: VerifyKernel):
@@ -74,7 +73,7 @@ def time_mlagen(p: dict, k: VerifyKernel) -> float:
     return sgl._time_rotating([mlagen_args(c, k) for c in copies], None, sgl._problem_bytes(p))
 
 
-def main() -> int:
+def _parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", choices=["small", "full"], default="small")
     ap.add_argument("--out", default="bench_out")
@@ -84,42 +83,32 @@ def main() -> int:
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
-    ap.add_argument("--kernels", metavar="GLOB", help="only tuning variants whose uri matches this shell glob "
-                    "(e.g. '*_bn32_w8_rt2_st2_tree_*'; keep the ns field free so auto and fixed NSPLIT both build)")
+    ap.add_argument("--kernels", metavar="GLOB", help="only tuning variants whose uri matches this shell glob, or any of "
+                    "several comma-separated ones (e.g. '*_bn32_w8_rt[12]_st2_t*,*_w16_*'; keep the ns field free so "
+                    "auto and fixed NSPLIT both build)")
     ap.add_argument("--smem-per-sm", type=_smem_arg, help="time mlagen as if an SM had this much shared memory: bytes, or "
                     "'sm120' (102400, RTX PRO 6000) so CTAs per SM match the sm_120 target")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU; nothing measured")
-        return 1
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ap.add_argument("--gpus", type=_gpus_arg, default=1, help="spread the shapes over this many GPUs of the host "
+                    "('all': every visible one): the variants are built once, then one worker process per GPU "
+                    "measures its shapes (ceilings, mlagen and SGLang side by side on that GPU) and the rows are merged")
+    ap.add_argument("--shard", help=argparse.SUPPRESS)  # internal (--gpus): grid indices this worker measures
+    return ap.parse_args(argv)
+
+
+def _select_grid(a: argparse.Namespace) -> list[tuple]:
     grid = SMALL if a.grid == "small" else FULL
-    if a.heads:
-        grid = [g for g in grid if g[0] in {int(x) for x in a.heads.split(",")}]
-    if a.batches:
-        grid = [g for g in grid if g[2] in {int(x) for x in a.batches.split(",")}]
-    if a.page_sizes:
-        grid = [g for g in grid if g[4] in {int(x) for x in a.page_sizes.split(",")}]
-    if a.contexts:
-        grid = [g for g in grid if g[3] in {int(x) for x in a.contexts.split(",")}]
-    if not grid:
-        print("no shape left after --heads / --batches / --page-sizes / --contexts")
-        return 1
-    from mlagen.ops import SM120_SMEM_PER_SM
+    for opt, i in (("heads", 0), ("batches", 2), ("contexts", 3), ("page_sizes", 4)):
+        if getattr(a, opt):
+            keep = {int(x) for x in getattr(a, opt).split(",")}
+            grid = [g for g in grid if g[i] in keep]
+    return grid
 
-    smem_cap = SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm
-    ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
-    if not ok_sgl:
-        print(f"SGLang columns skipped: {why}")
-    ceil = ceilings.measure_ceilings()
-    bw, mma = ceil["copy_gbs"], ceil["mma_tflops"]
-    print(f"ceilings: copy {bw:.0f} GB/s, mma.sync bf16 {mma:.0f} TFLOP/s {ceil['errors'] or ''}", flush=True)
 
-    # build + verify the tuning sweep of every bucket
+def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] | None:
+    """Build the tuning sweep of every (H, q_len, page_size) bucket and keep the variants that pass
+    the quick verification set on this GPU; None when a bucket has no verified nsplit-auto variant."""
     kernels: dict[tuple, list[VerifyKernel]] = {}
-    t0 = time.time()
-    for H, q, ps in sorted({(H, q, ps) for H, q, _, _, ps in grid}):
+    for H, q, ps in buckets:
         rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
         for v, m in rep.failed:
             print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
@@ -146,67 +135,187 @@ def main() -> int:
         if not any(k.variant.nsplit == "auto" for k in ks):  # the timed candidates are the auto variants
             print(f"no verified nsplit-auto variant for H={H} q_len={q} page_size={ps}"
                   + (f" matching --kernels {a.kernels} (keep the ns field free)" if a.kernels else ""))
-            return 1
+            return None
         kernels[(H, q, ps)] = ks
+    return kernels
+
+
+def _measure_shape(shape, kernels, ceil, ok_sgl) -> tuple[dict, list[dict]]:
+    """One row: mlagen's fastest verified auto variant, fixed NSPLIT on its tile, SGLang's kernels."""
+    H, q, bs, ctx, ps = shape
+    bw, mma = ceil["copy_gbs"], ceil["mma_tflops"]
+    p = sgl.make_problem(H, q, bs, ctx, ps, seed=ctx + bs)
+    nbytes, flops = verify_bytes(H, q, bs, ctx), verify_flops(H, q, bs, ctx)
+    floor = max(nbytes / (bw * 1e3), flops / (mma * 1e6))  # µs
+    cands = [k for k in kernels[(H, q, ps)] if k.variant.nsplit == "auto"]
+    times = {k.variant.uri: time_mlagen(p, k) for k in cands}
+    best_uri = min(times, key=times.get)
+    best = times[best_uri]
+    row = dict(H=H, q_len=q, bs=bs, ctx=ctx, page_size=ps, mlagen_uri=best_uri, mlagen_us=best,
+               gbs=nbytes / best / 1e3, floor_us=floor, frac_floor=floor / best, candidates=times)
+    # fixed NSPLIT with the winning tile config, at every shape: auto must be within 10 % of the best
+    bk = [k for k in kernels[(H, q, ps)] if k.variant.uri == best_uri][0].variant.build_key
+    fixed = {k.variant.nsplit: time_mlagen(p, k) for k in kernels[(H, q, ps)]
+             if k.variant.build_key == bk and k.variant.nsplit != "auto"}
+    sweep = []
+    if fixed:
+        ns_best = min(fixed, key=fixed.get)
+        row.update(nsplit_fixed_us=fixed, best_fixed_nsplit=ns_best, auto_over_best_fixed=best / fixed[ns_best])
+    if (H, q, bs, ps) == (8, 9, 1, 1):  # the NSPLIT sweep shown in the output
+        sweep = [dict(ctx=ctx, nsplit=ns, us=us) for ns, us in fixed.items()] + [dict(ctx=ctx, nsplit="auto", us=best)]
+    if ok_sgl:
+        try:
+            if q > 1:
+                ref = sgl.run_extend_verify(p)
+                mine = torch.empty_like(ref)
+                k_best = [k for k in cands if k.variant.uri == best_uri][0]
+                P = p["page_size"]
+                table = p["req_to_token"] if P == 1 else (p["req_to_token"][:, ::P] // P).contiguous()
+                k_best(p["q"], p["kv_cache"], table, p["kv_lens"], q_len=q, softmax_scale=p["softmax_scale"],
+                       tree_mask=p["tree_mask"], out=mine)
+                row["max_abs_diff_vs_sglang"] = float((mine.float() - ref.float()).abs().max())
+                row["sglang_verify_us"] = sgl.time_extend_verify(p)
+            dec = {s: sgl.time_decode_splitkv(p, s) for s in DECODE_SPLITS}
+            s_best = min(dec, key=dec.get)
+            row.update(sglang_decode_us=dec[s_best], sglang_decode_splits=s_best, sglang_decode_all=dec)
+        except Exception as e:  # noqa: BLE001 — report, never fake
+            row["sglang_error"] = f"{type(e).__name__}: {e}"
+    del p
+    torch.cuda.empty_cache()
+    return row, sweep
+
+
+def _versions() -> dict:
+    return dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__, triton=_ver("triton"),
+                sglang=_ver("sglang"), mlagen=mlagen.__version__, python=platform.python_version())
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU; nothing measured")
+        return 1
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    grid = _select_grid(a)
+    if not grid:
+        print("no shape left after --heads / --batches / --page-sizes / --contexts")
+        return 1
+    n_gpus = torch.cuda.device_count() if a.gpus == "all" else a.gpus
+    if a.shard is None and n_gpus > 1:
+        return _run_sharded(a, grid, n_gpus, out_dir)
+    ids = list(range(len(grid))) if a.shard is None else [int(i) for i in a.shard.split(",")]
+    from mlagen.ops import SM120_SMEM_PER_SM
+
+    smem_cap = SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm
+    ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
+    if not ok_sgl:
+        print(f"SGLang columns skipped: {why}")
+    ceil = ceilings.measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, mma.sync bf16 {ceil['mma_tflops']:.0f} TFLOP/s {ceil['errors'] or ''}",
+          flush=True)
+
+    t0 = time.time()
+    kernels = _build_and_verify(sorted({(g[0], g[1], g[4]) for g in (grid[i] for i in ids)}), a, smem_cap)
+    if kernels is None:
+        return 1
     print(f"built + verified {sum(len(v) for v in kernels.values())} variants in {time.time() - t0:.0f} s", flush=True)
 
     rows, sweep = [], []
-    for H, q, bs, ctx, ps in grid:
-        p = sgl.make_problem(H, q, bs, ctx, ps, seed=ctx + bs)
-        nbytes, flops = verify_bytes(H, q, bs, ctx), verify_flops(H, q, bs, ctx)
-        floor = max(nbytes / (bw * 1e3), flops / (mma * 1e6))  # µs
-        cands = [k for k in kernels[(H, q, ps)] if k.variant.nsplit == "auto"]
-        times = {k.variant.uri: time_mlagen(p, k) for k in cands}
-        best_uri = min(times, key=times.get)
-        best = times[best_uri]
-        row = dict(H=H, q_len=q, bs=bs, ctx=ctx, page_size=ps, mlagen_uri=best_uri, mlagen_us=best,
-                   gbs=nbytes / best / 1e3, floor_us=floor, frac_floor=floor / best, candidates=times)
-        # fixed NSPLIT with the winning tile config, at every shape: auto must be within 10 % of the best
-        bk = [k for k in kernels[(H, q, ps)] if k.variant.uri == best_uri][0].variant.build_key
-        fixed = {k.variant.nsplit: time_mlagen(p, k) for k in kernels[(H, q, ps)]
-                 if k.variant.build_key == bk and k.variant.nsplit != "auto"}
-        if fixed:
-            ns_best = min(fixed, key=fixed.get)
-            row.update(nsplit_fixed_us=fixed, best_fixed_nsplit=ns_best, auto_over_best_fixed=best / fixed[ns_best])
-        if (H, q, bs, ps) == (8, 9, 1, 1):  # the NSPLIT sweep shown in the output
-            sweep.extend(dict(ctx=ctx, nsplit=ns, us=us) for ns, us in fixed.items())
-            sweep.append(dict(ctx=ctx, nsplit="auto", us=best))
-        if ok_sgl:
-            try:
-                if q > 1:
-                    ref = sgl.run_extend_verify(p)
-                    mine = torch.empty_like(ref)
-                    k_best = [k for k in cands if k.variant.uri == best_uri][0]
-                    P = p["page_size"]
-                    table = p["req_to_token"] if P == 1 else (p["req_to_token"][:, ::P] // P).contiguous()
-                    k_best(p["q"], p["kv_cache"], table, p["kv_lens"], q_len=q, softmax_scale=p["softmax_scale"],
-                           tree_mask=p["tree_mask"], out=mine)
-                    row["max_abs_diff_vs_sglang"] = float((mine.float() - ref.float()).abs().max())
-                    row["sglang_verify_us"] = sgl.time_extend_verify(p)
-                dec = {s: sgl.time_decode_splitkv(p, s) for s in DECODE_SPLITS}
-                s_best = min(dec, key=dec.get)
-                row.update(sglang_decode_us=dec[s_best], sglang_decode_splits=s_best, sglang_decode_all=dec)
-            except Exception as e:  # noqa: BLE001 — report, never fake
-                row["sglang_error"] = f"{type(e).__name__}: {e}"
+    for i in ids:
+        row, sw = _measure_shape(grid[i], kernels, ceil, ok_sgl)
+        row["grid_index"] = i
         rows.append(row)
+        sweep += sw
         print(_fmt(row), flush=True)
-        if len(times) > 1:  # the tile sweep of this shape, fastest first
-            print("    tiles: " + ", ".join(f"{_tile(u)} {t:.1f}" for u, t in sorted(times.items(), key=lambda x: x[1])), flush=True)
+        if len(row["candidates"]) > 1:  # the tile sweep of this shape, fastest first
+            print("    tiles: " + ", ".join(f"{_tile(u)} {t:.1f}" for u, t in sorted(row["candidates"].items(),
+                                                                                 key=lambda x: x[1])), flush=True)
         # partial record after every shape: a job cut short by its time limit still leaves its rows
         (out_dir / "bench.json").write_text(json.dumps(dict(partial=True, ceilings=ceil, rows=rows, nsplit_sweep=sweep), indent=1))
-        del p
-        torch.cuda.empty_cache()
 
-    record = dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__,
-                  triton=_ver("triton"), sglang=_ver("sglang"), mlagen=mlagen.__version__, python=platform.python_version(),
-                  ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time(),
+    record = dict(_versions(), ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time(),
                   mlagen_smem_per_sm=smem_cap)
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
-    Registry().add_bench_run(record)
-    _table(rows, sweep)
-    _plot(rows, out_dir / "bench.png", record["device"])
-    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    if a.shard is None:
+        _finish(record, out_dir)
     return 0
+
+
+def _finish(record: dict, out_dir: Path) -> None:
+    """Registry entry, printed table and plot of a complete run."""
+    Registry().add_bench_run(record)
+    _table(record["rows"], record["nsplit_sweep"])
+    _plot(record["rows"], out_dir / "bench.png", record["device"])
+    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+
+
+def _shape_cost(shape) -> float:
+    """Rough relative seconds to measure a shape (the Triton verify path dominates at long context)."""
+    H, q, bs, ctx, _ps = shape
+    return 1.0 + ctx / 4096 * (1 + bs * H / 32) * (1 if q > 1 else 0.3)
+
+
+def assign_shards(grid: list[tuple], n: int) -> list[list[int]]:
+    """Grid indices per GPU: longest shape first, each to the least-loaded GPU (LPT); sorted per GPU."""
+    load, shares = [0.0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(grid)), key=lambda i: -_shape_cost(grid[i])):
+        g = load.index(min(load))
+        shares[g].append(i)
+        load[g] += _shape_cost(grid[i])
+    return [sorted(s) for s in shares]
+
+
+def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir: Path) -> int:
+    """--gpus N: build every variant here (CPU), then one worker per GPU (CUDA_VISIBLE_DEVICES=i) measures
+    a share of the shapes (longest first, to the least-loaded GPU); rows are merged in grid order."""
+    import subprocess
+
+    t0 = time.time()
+    for H, q, ps in sorted({(g[0], g[1], g[4]) for g in grid}):
+        rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
+        for v, m in rep.failed:
+            print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+    print(f"built the tuning sweeps in {time.time() - t0:.0f} s; measuring on {n_gpus} GPUs", flush=True)
+    argv = sys.argv[1:]
+    procs = []
+    for g, share in enumerate(assign_shards(grid, n_gpus)):
+        if not share:
+            continue
+        sub = out_dir / f"gpu{g}"
+        sub.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--gpus", "1", "--shard",
+               ",".join(map(str, share)), "--out", str(sub)]
+        log = open(sub / "bench.log", "w")
+        procs.append((g, sub, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                    env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(g)))))
+    rows, sweep, shards, rc = [], [], [], 0
+    for g, sub, log, pr in procs:
+        code = pr.wait()
+        log.close()
+        print(f"--- gpu {g} (exit {code}) ---")
+        print((sub / "bench.log").read_text(), end="", flush=True)
+        path = sub / "bench.json"
+        if not path.exists():
+            rc = 1
+            continue
+        part = json.loads(path.read_text())
+        rc = rc or code or (1 if part.get("partial") else 0)
+        for r in part["rows"]:
+            r["gpu"] = g
+        rows += part["rows"]
+        sweep += part["nsplit_sweep"]
+        shards.append(dict(gpu=g, partial=bool(part.get("partial")), ceilings=part["ceilings"],
+                           **{k: part[k] for k in ("device", "driver") if k in part}))
+    rows.sort(key=lambda r: r["grid_index"])
+    record = dict(_versions(), ceilings=shards[0]["ceilings"] if shards else None, shards=shards, grid=a.grid,
+                  rows=rows, nsplit_sweep=sorted(sweep, key=lambda s: (s["ctx"], str(s["nsplit"]))), at=time.time(),
+                  mlagen_smem_per_sm=a.smem_per_sm, partial=rc != 0 or len(rows) < len(grid))
+    (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
+    if rows:
+        _finish(record, out_dir)
+    print(f"{len(rows)}/{len(grid)} shapes measured on {len(shards)} GPUs")
+    return rc
 
 
 def _smem_arg(text: str):
@@ -219,6 +328,19 @@ def _smem_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected 'sm120' or bytes, got {text!r}") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive byte count, got {n}")
+    return n
+
+
+def _gpus_arg(text: str):
+    """--gpus value: 'all' or a positive count."""
+    if text == "all":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or a GPU count, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 GPU, got {n}")
     return n
 
 

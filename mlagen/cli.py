@@ -79,7 +79,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
 def generate(spec_path: str, kernels: str | None) -> None:
     """Validate SPEC and render the sources of its feasible variants (no compile)."""
     from mlagen.build import generate as gen
@@ -100,7 +100,7 @@ def generate(spec_path: str, kernels: str | None) -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Parallel nvcc jobs (default: MAX_JOBS or CPU count).")
 @click.option("--compile-only", is_flag=True, help="Stop after compiling, even on a GPU machine.")
 @click.option("--quick", is_flag=True, help="Verify without the 128k-token and >4 GiB cases.")
@@ -255,7 +255,7 @@ def _uris_for(spec_path: str | None, kernels: str | None) -> list[str]:
 
 @main.command()
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
 @click.option("--quick", is_flag=True, help="Skip the 128k-token and >4 GiB cases.")
 def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
     """Run built variants against the reference on the GPU; exits non-zero on any failure."""
@@ -269,7 +269,7 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
 @click.option("--contexts", help="Comma-separated context lengths (default 4096,16384,65536).")
 @click.option("--batches", help="Comma-separated batch sizes (default 1,4).")
 @click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG.")
@@ -295,7 +295,7 @@ def _ints(text: str | None, opt: str):
 
 
 @main.command(name="list")
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob.")
+@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
 def list_(kernels: str | None) -> None:
     """Table of built variants: per-arch registers / smem / spills, verify status, best time."""
     from mlagen.registry import Registry

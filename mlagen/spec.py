@@ -306,10 +306,14 @@ def load_spec(path: str | Path) -> Spec:
 
 
 def filter_by_glob(variants: Iterable[Variant], pattern: str | None) -> list[Variant]:
-    """Keep the variants whose uri matches the shell glob ``pattern`` (all when None)."""
+    """Keep the variants whose uri matches the shell glob ``pattern`` (all when None).
+
+    ``pattern`` may list several globs separated by commas (a uri has no comma): a variant is kept
+    when any of them matches, e.g. ``'*_bn32_w8_rt[12]_st2_t*,*_bn16_w16_rt2_st2_t*'``."""
     import fnmatch
 
     vs = list(variants)
     if not pattern:
         return vs
-    return [v for v in vs if fnmatch.fnmatchcase(v.uri, pattern)]
+    globs = [g for g in pattern.split(",") if g]
+    return [v for v in vs if any(fnmatch.fnmatchcase(v.uri, g) for g in globs)]

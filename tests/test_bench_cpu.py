@@ -292,3 +292,38 @@ def test_n_copies_rotates_enough_data():
     assert sb._n_copies(300 << 20) == 2
     assert sb._n_copies(2 << 30) == 1
     assert sb._n_copies(1) == sb.MAX_COPIES
+
+
+# --------------------------------------------------------------------------- run_bench --gpus
+
+def test_assign_shards_covers_every_shape_once_and_balances():
+    import run_bench
+
+    grid = run_bench.FULL
+    for n in (1, 2, 3, 4):
+        shares = run_bench.assign_shards(grid, n)
+        assert len(shares) == n
+        flat = sorted(i for s in shares for i in s)
+        assert flat == list(range(len(grid)))
+        loads = [sum(run_bench._shape_cost(grid[i]) for i in s) for s in shares]
+        # LPT: no GPU carries more than the mean plus the largest single shape
+        assert max(loads) <= sum(loads) / n + max(run_bench._shape_cost(g) for g in grid) + 1e-9
+
+
+def test_run_bench_gpus_argument_is_checked():
+    import run_bench
+
+    assert run_bench._parse(["--gpus", "all"]).gpus == "all"
+    assert run_bench._parse(["--gpus", "2"]).gpus == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            run_bench._parse(["--gpus", bad])
+
+
+def test_run_bench_grid_filters():
+    import run_bench
+
+    a = run_bench._parse(["--grid", "full", "--heads", "64", "--page-sizes", "64", "--batches", "4"])
+    g = run_bench._select_grid(a)
+    assert g and all(s[0] == 64 and s[4] == 64 and s[2] == 4 for s in g)
+    assert len(g) == 4  # four contexts

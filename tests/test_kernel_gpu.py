@@ -17,6 +17,9 @@ SPECS = {
     # 4-warp CTAs (8 tokens per warp for the bulk loader at bn32) and a deep bulk ring
     "k2_w4": dict(name="gpu_k2_w4", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=[16, 32],
                   num_warps=4, stages=[2, 4], row_tiles=1, load_width="bulk", mask="tree"),
+    # 16-warp CTAs (2 bulk rows per warp at bn32; 16 k-groups of partial scores at bn16)
+    "k2_w16": dict(name="gpu_k2_w16", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=[16, 32],
+                   num_warps=16, stages=2, row_tiles=[1, 2], load_width="bulk", mask="tree"),
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -58,7 +61,7 @@ def test_k2_full_case_set(kernels):
         _check(k, quick=i > 0)  # full set (128k, > 4 GiB pool) on the first, quick on the rest
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4"])
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

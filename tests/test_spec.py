@@ -103,6 +103,11 @@ def test_glob_filter():
     sel = filter_by_glob(vs, "*_lwbulk_*_rt1_*")
     assert len(sel) == 8 and all(v.load_width == "bulk" and v.row_tiles == 1 for v in sel)
     assert filter_by_glob(vs, "nothing*") == []
+    # several globs: the union, each variant once, in spec order
+    both = filter_by_glob(vs, "*_ps64_*_lw128_*,*_lwbulk_*_rt1_*")
+    assert [v.uri for v in both] == [v.uri for v in vs if v in filter_by_glob(vs, "*_ps64_*_lw128_*")
+                                     or v in filter_by_glob(vs, "*_lwbulk_*_rt1_*")]
+    assert len(both) == 16
 
 
 @pytest.mark.parametrize("name", ["../../evil", "a/b", "..", "has space"])
