@@ -405,8 +405,9 @@ def _driver() -> str:
     try:
         import subprocess
 
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.strip()
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.split()
+        return out[0] if out else "unknown"  # one line per GPU, the same driver
     except Exception:  # noqa: BLE001
         return "unknown"
 

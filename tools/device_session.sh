@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one device call (logs under $OUT, a short summary at the end).
-#   run: bash tools/device_session.sh tests|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
-#   tests ≈ 4-6 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
+#   run: bash tools/device_session.sh tests|tests2|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
+#   tests ≈ 4-6 min; tests2 (2 GPUs): kernel tests on GPU 0 while GPU 1 runs the SGLang backend test, the backend
+#         step and compute-sanitizer memcheck of MEMCHECK_URIS (space-separated) ≈ 6-8 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
 #         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
@@ -21,8 +22,22 @@ sglang_test() {
     python3 tools/sglang_import_probe.py > "$OUT/sglang_probe.log" 2>&1; tail -6 "$OUT/sglang_probe.log"
   fi
 }
+memcheck() {  # compute-sanitizer memcheck, quick verification set, of each URI given
+  for u in "$@"; do
+    step "memcheck_${u: -60}" 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+  done
+}
 MODE=${1:-tests}
-if [ "$MODE" = tests ]; then
+if [ "$MODE" = tests2 ]; then
+  # two GPUs: kernel tests on GPU 0; SGLang backend test, backend step and memcheck on GPU 1 (in parallel)
+  ( export CUDA_VISIBLE_DEVICES=0
+    step pytest_kernel 520 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py ) > "$OUT/gpu0.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=1
+    sglang_test
+    memcheck ${MEMCHECK_URIS:-} ) > "$OUT/gpu1.txt" 2>&1 &
+  wait
+  cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
+elif [ "$MODE" = tests ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
   step pytest_kernel 240 python3 -m pytest -m gpu -q tests/test_kernel_gpu.py
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
