@@ -2,7 +2,8 @@
 # Everything a GPU session checks, in one device call (logs under $OUT, a short summary at the end).
 #   run: bash tools/device_session.sh tests|tests2|bench|grid      carry: [".whl"]   (bash bench/fetch_wheels.sh first)
 #   tests ≈ 4-6 min; tests2 (2 GPUs): kernel tests on GPU 0 while GPU 1 runs the SGLang backend test, the backend
-#         step and compute-sanitizer memcheck of MEMCHECK_URIS (space-separated) ≈ 6-8 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
+#         step, compute-sanitizer memcheck of MEMCHECK_URIS (space-separated) and, with ABLATE_URI, the phase
+#         ablation at CONTEXTS ≈ 6-9 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
 #         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
@@ -34,7 +35,11 @@ if [ "$MODE" = tests2 ]; then
     step pytest_kernel 520 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py ) > "$OUT/gpu0.txt" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=1
     sglang_test
-    memcheck ${MEMCHECK_URIS:-} ) > "$OUT/gpu1.txt" 2>&1 &
+    memcheck ${MEMCHECK_URIS:-}
+    if [ -n "${ABLATE_URI:-}" ]; then
+      step ablate "${ABLATE_LIMIT:-240}" python3 tools/device_ablate.py "$ABLATE_URI" --contexts "${CONTEXTS:-65536}"
+      grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -14
+    fi ) > "$OUT/gpu1.txt" 2>&1 &
   wait
   cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
 elif [ "$MODE" = tests ]; then
