@@ -31,7 +31,7 @@ import sglang_baselines as sgl  # noqa: E402
 import mlagen  # noqa: E402
 from mlagen.roofline import verify_bytes, verify_flops  # noqa: E402
 from mlagen.build import build  # noqa: E402
-from mlagen.ops import VerifyKernel  # noqa: E402
+from mlagen.ops import SM120_SMEM_PER_SM, VerifyKernel  # noqa: E402
 from mlagen.registry import Registry  # noqa: E402
 from mlagen.spec import parse_spec  # noqa: E402
 from mlagen.verify import summarize, verify_kernel  # noqa: E402
@@ -83,7 +83,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
-    ap.add_argument("--kernels", metavar="GLOB", help="only tuning variants whose uri matches this shell glob, or any of "
+    ap.add_argument("--kernels", metavar="GLOB", type=_kernels_arg, help="only tuning variants whose uri matches this shell glob, or any of "
                     "several comma-separated ones (e.g. '*_bn32_w8_rt[12]_st2_t*,*_w16_*'; keep the ns field free so "
                     "auto and fixed NSPLIT both build)")
     ap.add_argument("--smem-per-sm", type=_smem_arg, help="time mlagen as if an SM had this much shared memory: bytes, or "
@@ -202,11 +202,12 @@ def main(argv=None) -> int:
         print("no shape left after --heads / --batches / --page-sizes / --contexts")
         return 1
     n_gpus = torch.cuda.device_count() if a.gpus == "all" else a.gpus
+    if n_gpus > torch.cuda.device_count():
+        print(f"--gpus {n_gpus}: only {torch.cuda.device_count()} GPU(s) visible; nothing measured")
+        return 1
     if a.shard is None and n_gpus > 1:
-        return _run_sharded(a, grid, n_gpus, out_dir)
+        return _run_sharded(a, grid, n_gpus, out_dir, sys.argv[1:] if argv is None else list(argv))
     ids = list(range(len(grid))) if a.shard is None else [int(i) for i in a.shard.split(",")]
-    from mlagen.ops import SM120_SMEM_PER_SM
-
     smem_cap = SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:
@@ -266,9 +267,11 @@ def assign_shards(grid: list[tuple], n: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir: Path) -> int:
-    """--gpus N: build every variant here (CPU), then one worker per GPU (CUDA_VISIBLE_DEVICES=i) measures
-    a share of the shapes (longest first, to the least-loaded GPU); rows are merged in grid order."""
+def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir: Path, argv: list[str]) -> int:
+    """--gpus N: build every variant here (CPU), then one worker per GPU measures a share of the shapes
+    (longest first, to the least-loaded GPU); rows are merged in grid order. Worker i sees only the i-th
+    GPU this process sees (CUDA_VISIBLE_DEVICES narrowed, so a parent limited to GPUs 2,3 uses 2 and 3).
+    ``argv``: this run's arguments, passed on to the workers with their --shard / --out / --gpus 1."""
     import subprocess
 
     t0 = time.time()
@@ -277,18 +280,20 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
         for v, m in rep.failed:
             print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
     print(f"built the tuning sweeps in {time.time() - t0:.0f} s; measuring on {n_gpus} GPUs", flush=True)
-    argv = sys.argv[1:]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(n_gpus)]
     procs = []
     for g, share in enumerate(assign_shards(grid, n_gpus)):
         if not share:
             continue
         sub = out_dir / f"gpu{g}"
         sub.mkdir(parents=True, exist_ok=True)
+        (sub / "bench.json").unlink(missing_ok=True)  # a record left by an earlier run must not be merged
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--gpus", "1", "--shard",
                ",".join(map(str, share)), "--out", str(sub)]
         log = open(sub / "bench.log", "w")
         procs.append((g, sub, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                    env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(g)))))
+                                                    env=dict(os.environ, CUDA_VISIBLE_DEVICES=devices[g]))))
     rows, sweep, shards, rc = [], [], [], 0
     for g, sub, log, pr in procs:
         code = pr.wait()
@@ -310,7 +315,7 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
     rows.sort(key=lambda r: r["grid_index"])
     record = dict(_versions(), ceilings=shards[0]["ceilings"] if shards else None, shards=shards, grid=a.grid,
                   rows=rows, nsplit_sweep=sorted(sweep, key=lambda s: (s["ctx"], str(s["nsplit"]))), at=time.time(),
-                  mlagen_smem_per_sm=a.smem_per_sm, partial=rc != 0 or len(rows) < len(grid))
+                  mlagen_smem_per_sm=SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm, partial=rc != 0 or len(rows) < len(grid))
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
     if rows:
         _finish(record, out_dir)
@@ -329,6 +334,17 @@ def _smem_arg(text: str):
     if n <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive byte count, got {n}")
     return n
+
+
+def _kernels_arg(text: str) -> str:
+    """--kernels value: one uri glob or several comma-separated ones."""
+    from mlagen.spec import uri_globs
+
+    try:
+        uri_globs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _gpus_arg(text: str):

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mlagen import __version__, feasibility, paths
-from mlagen.spec import Spec, SpecError, filter_by_glob, load_spec
+from mlagen.spec import Spec, SpecError, filter_by_glob, load_spec, uri_globs
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
@@ -71,6 +71,18 @@ class _Group(click.Group):
             raise click.ClickException(f"{type(e).__name__}: {e} (check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR)") from None
 
 
+def _check_kernels(_ctx, _param, value: str | None) -> str | None:
+    try:
+        uri_globs(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+_kernels_option = click.option("--kernels", metavar="GLOB", callback=_check_kernels,
+                               help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+
+
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="mlagen")
 def main() -> None:
@@ -79,7 +91,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+@_kernels_option
 def generate(spec_path: str, kernels: str | None) -> None:
     """Validate SPEC and render the sources of its feasible variants (no compile)."""
     from mlagen.build import generate as gen
@@ -100,7 +112,7 @@ def generate(spec_path: str, kernels: str | None) -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+@_kernels_option
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Parallel nvcc jobs (default: MAX_JOBS or CPU count).")
 @click.option("--compile-only", is_flag=True, help="Stop after compiling, even on a GPU machine.")
 @click.option("--quick", is_flag=True, help="Verify without the 128k-token and >4 GiB cases.")
@@ -255,7 +267,7 @@ def _uris_for(spec_path: str | None, kernels: str | None) -> list[str]:
 
 @main.command()
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+@_kernels_option
 @click.option("--quick", is_flag=True, help="Skip the 128k-token and >4 GiB cases.")
 def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
     """Run built variants against the reference on the GPU; exits non-zero on any failure."""
@@ -269,7 +281,7 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
 
 @main.command()
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+@_kernels_option
 @click.option("--contexts", help="Comma-separated context lengths (default 4096,16384,65536).")
 @click.option("--batches", help="Comma-separated batch sizes (default 1,4).")
 @click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG.")
@@ -295,7 +307,7 @@ def _ints(text: str | None, opt: str):
 
 
 @main.command(name="list")
-@click.option("--kernels", metavar="GLOB", help="Only variants whose uri matches this shell glob (several: comma-separated, any matches).")
+@_kernels_option
 def list_(kernels: str | None) -> None:
     """Table of built variants: per-arch registers / smem / spills, verify status, best time."""
     from mlagen.registry import Registry

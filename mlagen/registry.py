@@ -69,15 +69,13 @@ class Registry:
         return _variant_row(row) if row else None
 
     def variants(self, pattern: str | None = None) -> list[dict]:
-        """All registered variants (uri matching the shell glob ``pattern`` when given), by uri."""
+        """All registered variants (uri matching ``pattern`` when given: a shell glob or comma-separated
+        globs, as ``mlagen.spec.uri_matches``), by uri."""
+        from mlagen.spec import uri_matches
+
         with self._conn() as c:
             rows = c.execute("SELECT * FROM variants ORDER BY uri").fetchall()
-        out = [_variant_row(r) for r in rows]
-        if pattern:
-            import fnmatch
-
-            out = [r for r in out if fnmatch.fnmatchcase(r["uri"], pattern)]
-        return out
+        return [v for v in (_variant_row(r) for r in rows) if uri_matches(v["uri"], pattern)]
 
     def drop_stale_build(self, build_key: str, source_hash: str) -> int:
         """Delete variants compiled into module ``build_key`` from another source hash (they would

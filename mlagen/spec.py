@@ -305,15 +305,35 @@ def load_spec(path: str | Path) -> Spec:
     return parse_spec(data, source=str(path))
 
 
-def filter_by_glob(variants: Iterable[Variant], pattern: str | None) -> list[Variant]:
-    """Keep the variants whose uri matches the shell glob ``pattern`` (all when None).
+def uri_globs(pattern: str | None) -> list[str] | None:
+    """The globs of a ``--kernels`` pattern: one shell glob, or several separated by commas (a uri has
+    no comma; spaces around each are ignored). None (or an empty string) selects everything.
 
-    ``pattern`` may list several globs separated by commas (a uri has no comma): a variant is kept
-    when any of them matches, e.g. ``'*_bn32_w8_rt[12]_st2_t*,*_bn16_w16_rt2_st2_t*'``."""
+    Raises:
+        ValueError: the pattern is only commas / spaces (it names no glob).
+    """
+    if not pattern:
+        return None
+    globs = [g.strip() for g in pattern.split(",") if g.strip()]
+    if not globs:
+        raise ValueError(f"--kernels {pattern!r} names no glob")
+    return globs
+
+
+def uri_matches(uri: str, pattern: str | None) -> bool:
+    """True when ``uri`` matches any glob of ``pattern`` (see :func:`uri_globs`); always for None."""
     import fnmatch
 
-    vs = list(variants)
-    if not pattern:
-        return vs
-    globs = [g for g in pattern.split(",") if g]
-    return [v for v in vs if any(fnmatch.fnmatchcase(v.uri, g) for g in globs)]
+    globs = uri_globs(pattern)
+    return globs is None or any(fnmatch.fnmatchcase(uri, g) for g in globs)
+
+
+def filter_by_glob(variants: Iterable[Variant], pattern: str | None) -> list[Variant]:
+    """Keep the variants whose uri matches ``pattern`` (all when None): one shell glob or several
+    comma-separated ones, any of which may match, e.g. ``'*_bn32_w8_rt[12]_st2_t*,*_bn16_w16_rt2_st2_t*'``.
+
+    Raises:
+        ValueError: the pattern names no glob (only commas / spaces).
+    """
+    uri_globs(pattern)  # validate once, even for an empty variant list
+    return [v for v in variants if uri_matches(v.uri, pattern)]

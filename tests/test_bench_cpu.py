@@ -327,3 +327,47 @@ def test_run_bench_grid_filters():
     g = run_bench._select_grid(a)
     assert g and all(s[0] == 64 and s[4] == 64 and s[2] == 4 for s in g)
     assert len(g) == 4  # four contexts
+
+
+def test_run_sharded_merges_only_this_runs_shards_on_the_visible_gpus(tmp_path, monkeypatch):
+    """Workers get the parent's visible GPUs in order; a worker that dies before writing leaves a partial
+    record (exit 1) and an earlier run's leftover shard record is never merged."""
+    import json
+    import types
+    from pathlib import Path
+
+    import run_bench
+
+    grid = run_bench.FULL[:6]
+    monkeypatch.setattr(run_bench, "build", lambda *a, **k: types.SimpleNamespace(failed=[]))
+    monkeypatch.setattr(run_bench, "_versions", lambda: dict(device="fake"))
+    finished = []
+    monkeypatch.setattr(run_bench, "_finish", lambda rec, out: finished.append(rec))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    (tmp_path / "gpu1").mkdir()
+    (tmp_path / "gpu1" / "bench.json").write_text(json.dumps(dict(rows=[dict(grid_index=99)], nsplit_sweep=[], ceilings={})))
+    seen = {}
+
+    class FakeWorker:
+        def __init__(self, cmd, stdout, stderr, env):
+            ids = [int(i) for i in cmd[cmd.index("--shard") + 1].split(",")]
+            assert cmd[-2] == "--out" and cmd[cmd.index("--shard") - 1] == "1"  # --gpus 1 for the worker
+            seen[env["CUDA_VISIBLE_DEVICES"]] = ids
+            self.rc = 1 if env["CUDA_VISIBLE_DEVICES"] == "3" else 0  # GPU 3's worker dies before writing
+            if self.rc == 0:
+                rows = [dict(grid_index=i) for i in reversed(ids)]
+                Path(cmd[-1], "bench.json").write_text(json.dumps(dict(rows=rows, nsplit_sweep=[], ceilings={})))
+
+        def wait(self):
+            return self.rc
+
+    monkeypatch.setattr(subprocess, "Popen", FakeWorker)
+    argv = ["--grid", "full", "--gpus", "2", "--skip-sglang"]
+    rc = run_bench._run_sharded(run_bench._parse(argv), grid, 2, tmp_path, argv)
+    assert rc == 1 and sorted(seen) == ["2", "3"]
+    assert sorted(seen["2"] + seen["3"]) == list(range(len(grid)))
+    rec = json.loads((tmp_path / "bench.json").read_text())
+    assert rec["partial"] is True
+    assert [r["grid_index"] for r in rec["rows"]] == sorted(seen["2"])  # grid order, no stale row 99
+    assert all(r["gpu"] == 0 for r in rec["rows"]) and len(finished) == 1
+    assert not (tmp_path / "gpu1" / "bench.json").exists()

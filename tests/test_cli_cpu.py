@@ -30,6 +30,24 @@ def test_bad_jobs_and_glob(runner):
     assert r.exit_code == 2 and "--jobs" in r.output
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", "nomatch*"])
     assert r.exit_code == 1 and "no variant of kimi-k2-tp8-verify matches --kernels 'nomatch*'" in r.output
+    for cmd in (["build", "specs/kimi-k2-tp8-verify.yaml"], ["list"], ["verify"]):
+        r = runner.invoke(main, [*cmd, "--kernels", " , "])
+        assert r.exit_code == 2 and "names no glob" in r.output and "Traceback" not in r.output
+
+
+def test_registry_variants_take_comma_separated_globs(cache_env):
+    from mlagen.registry import Registry
+    from mlagen.spec import load_spec
+
+    reg = Registry()
+    vs = load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
+    for v in vs[:6]:
+        reg.put_variant(uri=v.uri, spec="k2", variant=v.spec_dict("k2"), bucket="b", source_hash="h", nvcc_version="13.0",
+                        archs=["sm_120", "sm_90"], so_path="/nonexistent.so", build_seconds=0.0, resources={})
+    one, two = vs[0].uri, vs[5].uri
+    assert [r["uri"] for r in reg.variants(one)] == [one]
+    assert [r["uri"] for r in reg.variants(f"{two}, {one}")] == sorted([one, two])
+    assert len(reg.variants()) == 6
 
 
 def test_bench_bad_contexts(runner):

@@ -108,6 +108,10 @@ def test_glob_filter():
     assert [v.uri for v in both] == [v.uri for v in vs if v in filter_by_glob(vs, "*_ps64_*_lw128_*")
                                      or v in filter_by_glob(vs, "*_lwbulk_*_rt1_*")]
     assert len(both) == 16
+    assert filter_by_glob(vs, " *_ps64_*_lw128_* , *_lwbulk_*_rt1_* ") == both  # spaces around globs ignored
+    assert filter_by_glob(vs, None) == vs and filter_by_glob(vs, "") == vs
+    with pytest.raises(ValueError, match="names no glob"):
+        filter_by_glob(vs, " , ")
 
 
 @pytest.mark.parametrize("name", ["../../evil", "a/b", "..", "has space"])

@@ -25,7 +25,7 @@ sglang_test() {
 }
 memcheck() {  # compute-sanitizer memcheck, quick verification set, of each URI given
   for u in "$@"; do
-    step "memcheck_${u: -60}" 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    step "memcheck_$u" 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
   done
 }
 MODE=${1:-tests}
