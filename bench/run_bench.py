@@ -104,14 +104,21 @@ def _select_grid(a: argparse.Namespace) -> list[tuple]:
     return grid
 
 
+def _build_buckets(buckets, a) -> dict:
+    """Build (or find cached) the tuning sweep of each (H, q_len, page_size) bucket; failures printed."""
+    reports = {}
+    for H, q, ps in buckets:
+        reports[(H, q, ps)] = rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
+        for v, m in rep.failed:
+            print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+    return reports
+
+
 def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] | None:
     """Build the tuning sweep of every (H, q_len, page_size) bucket and keep the variants that pass
     the quick verification set on this GPU; None when a bucket has no verified nsplit-auto variant."""
     kernels: dict[tuple, list[VerifyKernel]] = {}
-    for H, q, ps in buckets:
-        rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
-        for v, m in rep.failed:
-            print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+    for (H, q, ps), rep in _build_buckets(buckets, a).items():
         ks = []
         verified: dict[str, bool] = {}
         for b in rep.built:
@@ -275,10 +282,7 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
     import subprocess
 
     t0 = time.time()
-    for H, q, ps in sorted({(g[0], g[1], g[4]) for g in grid}):
-        rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
-        for v, m in rep.failed:
-            print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+    _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
     print(f"built the tuning sweeps in {time.time() - t0:.0f} s; measuring on {n_gpus} GPUs", flush=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(n_gpus)]
@@ -323,17 +327,23 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
     return rc
 
 
-def _smem_arg(text: str):
-    """--smem-per-sm value: 'sm120' or a positive byte count."""
-    if text == "sm120":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'sm120' or bytes, got {text!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {n}")
-    return n
+def _word_or_count(word: str, what: str):
+    """argparse type: the literal ``word`` or a positive integer (``what`` names it in the error)."""
+    def parse(text: str):
+        if text == word:
+            return text
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {word!r} or {what}, got {text!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {n}")
+        return n
+    return parse
+
+
+_smem_arg = _word_or_count("sm120", "byte count")  # --smem-per-sm
+_gpus_arg = _word_or_count("all", "GPU count")  # --gpus
 
 
 def _kernels_arg(text: str) -> str:
@@ -345,19 +355,6 @@ def _kernels_arg(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
-
-
-def _gpus_arg(text: str):
-    """--gpus value: 'all' or a positive count."""
-    if text == "all":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'all' or a GPU count, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 GPU, got {n}")
-    return n
 
 
 def _tile(uri: str) -> str:
