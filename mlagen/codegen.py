@@ -12,9 +12,9 @@ from pathlib import Path
 
 import jinja2
 
-from mlagen import __version__, paths
+from mlagen import __version__, owned, paths
 from mlagen.spec import Variant
-from mlagen.tables import MASKS, SMEM_LIMIT
+from mlagen.tables import MASKS, SCHEDULES, SMEM_LIMIT
 
 MODULE_TEMPLATE = "mla_verify_module.cu.j2"
 
@@ -50,6 +50,7 @@ def template_context(v: Variant) -> dict:
         row_tiles=int(v.row_tiles),
         stages=int(v.stages),
         overlap=int(v.overlap),
+        schedule=v.schedule if v.schedule in SCHEDULES else "rowblock",
         mask_cpp=MASKS[v.mask][0],
         smem_limit=min(SMEM_LIMIT[a] for a in v.archs),
     )
@@ -95,7 +96,7 @@ def write_if_changed(path: Path, text: str) -> bool:
             return False
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    owned.ensure_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # unique: concurrent writers
     with os.fdopen(fd, "w") as f:
         f.write(text)

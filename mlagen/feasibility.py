@@ -12,6 +12,17 @@ from mlagen.tables import SMEM_LIMIT
 
 SOFTMAX_LANES = 8
 REG_TILE_LIMIT = 200  # registers per thread held in Q / S / O fragments (same bound as the C++ config)
+DIMSPLIT_REG_TILE_LIMIT = 200  # dimsplit: one warp per CTA holds 16 rows' Q half, S and O half (MlaDimSplitConfig)
+DIMSPLIT_MAX_ROW_TILES = 7  # consumer warps per CTA (plus the producer warp): 8 warps x 255 registers fill an SM
+
+
+def dimsplit_row_tiles(rows_max: int) -> int:
+    """Row tiles per cluster for the dimsplit schedule: the fewest clusters (each reads the KV once)
+    that cover ``rows_max`` = H x q_len rows with at most DIMSPLIT_MAX_ROW_TILES m16 tiles each,
+    balanced (H=8 q9: 72 rows -> 1 cluster of 5; H=16 q9: 144 -> 2 of 5; H=64 q9: 576 -> 6 of 6)."""
+    m_tiles = -(-rows_max // 16)
+    clusters = -(-m_tiles // DIMSPLIT_MAX_ROW_TILES)
+    return -(-m_tiles // clusters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +40,18 @@ class Resources:
 
 
 def resources(v: Variant) -> Resources:
-    """Shared memory and register-tile sizes of ``v``, computed as the C++ MlaVerifyConfig does."""
+    """Shared memory and register-tile sizes of ``v``, computed as the C++ MlaVerifyConfig (rowblock)
+    or MlaDimSplitConfig (dimsplit) does."""
     dim_qk, dim_v = v.dim_qk, v.dim_v
+    if v.schedule == "dimsplit":
+        dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2
+        smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
+        smem_xchg = 2 * v.row_tiles * (2 * 32 * 4) * 4  # 16-token score fragments, double buffered
+        smem_bars = (2 * v.stages + 2 * v.row_tiles) * 8
+        q_smem_steps = v.qk_rope_head_dim // 2 // 16  # the rope k-steps of Q come from shared memory
+        smem_q = v.row_tiles * 16 * (q_smem_steps * 16 + 8) * 2
+        return Resources(smem_kv + smem_xchg + smem_bars + smem_q, (dim_cta // 16 - q_smem_steps) * 4, 2 * 4,
+                         v.kv_lora_rank // 2 // 8 * 4)
     kv_row = dim_qk + 8
     smem_kv = v.stages * v.block_n * kv_row * 2
     n_groups = v.block_n // 16
@@ -54,6 +75,8 @@ def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
     if v.overlap and v.load_width != "bulk":
         return f"overlap needs load_width bulk, got {v.load_width}"
+    if v.schedule == "dimsplit":
+        return _dimsplit_reason(v)
     r = resources(v)
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:
@@ -70,6 +93,33 @@ def infeasible_reason(v: Variant) -> str | None:
         return f"register tiles {r.regs_tiles} words/thread > {REG_TILE_LIMIT} (Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill"
     if v.rows_per_cta > 2 * v.rows_max and v.row_tiles > 1:
         return f"row_tiles {v.row_tiles} ({v.rows_per_cta} rows) is more than twice the {v.rows_max} rows of H x q_len"
+    return None
+
+
+def _dimsplit_reason(v: Variant) -> str | None:
+    """Why a dimsplit variant cannot be built (the rules of MlaDimSplitConfig's static_asserts)."""
+    if v.load_width != "bulk":
+        return f"schedule dimsplit loads with cp.async.bulk: load_width must be bulk, got {v.load_width}"
+    if v.overlap:
+        return "schedule dimsplit overlaps loads and math by itself: overlap must be 0"
+    if v.block_n not in (16, 32):
+        return f"schedule dimsplit: block_n must be 16 or 32 (one token per producer lane), got {v.block_n}"
+    if (v.kv_lora_rank // 2) % 16 or (v.qk_rope_head_dim // 2) % 16 or v.qk_rope_head_dim % 2:
+        return (f"schedule dimsplit splits kv_lora_rank {v.kv_lora_rank} and qk_rope_head_dim {v.qk_rope_head_dim} "
+                "in halves that must be multiples of 16")
+    want = dimsplit_row_tiles(v.rows_max)
+    if v.row_tiles != want:
+        return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "
+                f"(fewest KV reads, at most {DIMSPLIT_MAX_ROW_TILES}); row_tiles {v.row_tiles} is not that")
+    if v.num_warps < v.row_tiles + 1 or v.num_warps > 8:
+        return f"schedule dimsplit needs num_warps in [row_tiles + 1, 8] = [{v.row_tiles + 1}, 8], got {v.num_warps}"
+    r = resources(v)
+    for arch in v.archs:
+        if r.smem_bytes > SMEM_LIMIT[arch]:
+            return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
+    if r.regs_tiles > DIMSPLIT_REG_TILE_LIMIT:
+        return (f"register tiles {r.regs_tiles} words/thread > {DIMSPLIT_REG_TILE_LIMIT} "
+                f"(Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill")
     return None
 
 

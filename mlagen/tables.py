@@ -11,6 +11,14 @@ MASKS = {
     "tree": ("mlagen::MaskKind::kTree", "tree"),
 }
 
+SCHEDULES = {
+    # spec value: uri token ("" = absent from the uri, the default). rowblock: row-block CTAs, each
+    # reads its split's KV (mla_verify_partial.cuh); dimsplit: a two-CTA cluster splits the 576 dims
+    # and reads the KV once per split (mla_verify_dimsplit.cuh).
+    "rowblock": "",
+    "dimsplit": "dimsplit",
+}
+
 DTYPES = {
     # spec value: (C++ element type, uri token)
     "bf16": ("__nv_bfloat16", "bf16"),

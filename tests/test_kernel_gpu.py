@@ -20,6 +20,20 @@ SPECS = {
     # 16-warp CTAs (2 bulk rows per warp at bn32; 16 k-groups of partial scores at bn16)
     "k2_w16": dict(name="gpu_k2_w16", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit="auto", block_n=[16, 32],
                    num_warps=16, stages=2, row_tiles=[1, 2], load_width="bulk", mask="tree"),
+    # dimsplit: a two-CTA cluster splits the 576 dims, KV read once per split (H8 q9: one cluster of 5 row
+    # tiles; bn16 and bn32 stages; page sizes 1 / 64; tree and causal masks; fixed and auto NSPLIT)
+    "k2_ds": dict(name="gpu_k2_ds", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                  schedule="dimsplit", block_n=[16, 32], stages=[2, 4], row_tiles=5, load_width="bulk", mask="tree"),
+    # dimsplit at other row counts: H16 (2 clusters of 5 row tiles, the second with 4 live), H1 q5 causal
+    # (one row tile, 5 of 16 rows live), H64 q2 no mask (8 row tiles -> 2 clusters of 4), q_len 1 decode
+    "ds_rows": [dict(name="gpu_ds_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
+                     schedule="dimsplit", row_tiles=5, block_n=32, stages=3, load_width="bulk"),
+                dict(name="gpu_ds_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
+                     schedule="dimsplit", row_tiles=1, block_n=16, stages=2, load_width="bulk"),
+                dict(name="gpu_ds_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
+                     schedule="dimsplit", row_tiles=4, block_n=32, stages=2, load_width="bulk"),
+                dict(name="gpu_ds_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
+                     schedule="dimsplit", row_tiles=1, block_n=32, stages=4, load_width="bulk")],
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -42,7 +56,8 @@ class _LazyKernels(dict):
         from mlagen.build import build_variants
         from mlagen.ops import VerifyKernel
 
-        self[key] = [VerifyKernel(b.variant, b.so_path) for b in build_variants(SPECS[key])]
+        specs = SPECS[key] if isinstance(SPECS[key], list) else [SPECS[key]]
+        self[key] = [VerifyKernel(b.variant, b.so_path) for spec in specs for b in build_variants(spec)]
         assert self[key], f"spec {key} built no variant"
         return self[key]
 
@@ -61,7 +76,34 @@ def test_k2_full_case_set(kernels):
         _check(k, quick=i > 0)  # full set (128k, > 4 GiB pool) on the first, quick on the rest
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16"])
+def test_dimsplit_full_case_set(kernels):
+    ks = kernels["k2_ds"]
+    assert {k.variant.schedule for k in ks} == {"dimsplit"} and len(ks) == 16
+    for i, k in enumerate(ks):
+        _check(k, quick=i > 0)
+
+
+def test_dimsplit_equals_rowblock(kernels):
+    """Same inputs, same outputs within bf16 rounding: the two schedules sum the same products in another order."""
+    from mlagen.cases import make_problem
+
+    ds = next(k for k in kernels["k2_ds"] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
+    rb = next(k for k in kernels["k2"] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
+    p = make_problem(ds.variant, [9, 40, 4099, 65536], device="cuda")
+    outs = []
+    for k in (ds, rb):
+        out = torch.full((p.q.shape[0], ds.variant.heads, ds.variant.dim_v), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+        lse = torch.full((p.q.shape[0], ds.variant.heads), float("nan"), device="cuda")
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        outs.append((out.float(), lse))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
+    assert (outs[0][0] - outs[1][0]).abs().max().item() < 2e-2
+    assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

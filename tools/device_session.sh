@@ -7,6 +7,8 @@
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
 #         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
+#   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
+#         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
@@ -48,6 +50,19 @@ elif [ "$MODE" = tests ]; then
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+elif [ "$MODE" = schedule ]; then
+  # a kernel schedule on its own: its GPU tests (KTESTS: pytest -k expression), memcheck + racecheck of
+  # MEMCHECK_URIS, then the H=8 bench shapes with only the tiles of KERNELS (globs), no baselines
+  step pytest_sched "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -x tests/test_kernel_gpu.py -k "${KTESTS:-dimsplit or ds_rows}"
+  grep -E "passed|failed|Error|assert" "$OUT/pytest_sched.log" | tail -12
+  for u in ${MEMCHECK_URIS:-}; do
+    step "memcheck_$u" 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    step "racecheck_$u" 240 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+  done
+  step bench_sched "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid "${GRID:-small}" --heads "${HEADS:-8}" \
+    ${BATCHES:+--batches "$BATCHES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} \
+    ${SMEM:+--smem-per-sm "$SMEM"} --skip-sglang --no-flashinfer --kernels "$KERNELS" --out "$OUT"
+  grep -E "^\||tiles:|ceilings|built|failed|Error" "$OUT/bench_sched.log" | tail -40
 elif [ "$MODE" = ablate ]; then
   step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
   grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -30

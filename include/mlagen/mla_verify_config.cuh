@@ -15,6 +15,8 @@ inline constexpr int kSmemLimitSm90 = 232448;
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_, int kWarps_,
           int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120, int kOverlap_ = 0>
 struct MlaVerifyConfig {
+  static constexpr bool kDimSplit = false;  // schedule rowblock (mla_verify_partial.cuh)
+  static constexpr int kClusterCtas = 1;
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank
   static constexpr int kQLenMax = kQLenMax_;      // max draft tokens per request

@@ -5,14 +5,24 @@
 #include <cuda_runtime.h>
 
 #include "mlagen/mla_verify_combine.cuh"
+#include "mlagen/mla_verify_dimsplit.cuh"
 #include "mlagen/mla_verify_partial.cuh"
 
 namespace mlagen {
 
+// The partial kernel of a config's schedule: rowblock (MlaVerifyConfig) or dimsplit (MlaDimSplitConfig).
+template <class Cfg>
+constexpr auto partial_kernel() {
+  if constexpr (Cfg::kDimSplit) {
+    return &mla_verify_dimsplit_kernel<Cfg>;
+  } else {
+    return &mla_verify_partial_kernel<Cfg>;
+  }
+}
+
 template <class Cfg>
 cudaError_t mla_verify_prepare() {
-  return cudaFuncSetAttribute(mla_verify_partial_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Cfg::kSmemBytes);
+  return cudaFuncSetAttribute(partial_kernel<Cfg>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
 }
 
 // Preferred shared-memory carveout of the partial kernel, in percent of the SM's shared capacity
@@ -20,7 +30,7 @@ cudaError_t mla_verify_prepare() {
 // the CTAs per SM that sm_120's ~100 KB allows.
 template <class Cfg>
 cudaError_t mla_verify_set_carveout(int percent) {
-  return cudaFuncSetAttribute(mla_verify_partial_kernel<Cfg>, cudaFuncAttributePreferredSharedMemoryCarveout, percent);
+  return cudaFuncSetAttribute(partial_kernel<Cfg>(), cudaFuncAttributePreferredSharedMemoryCarveout, percent);
 }
 
 template <class Cfg>
@@ -30,8 +40,9 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
   if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr) return cudaErrorInvalidValue;
   if (p.batch_size == 0) return cudaSuccess;
-  const dim3 grid_partial(Cfg::kRowBlocks, p.num_splits, p.batch_size);
-  mla_verify_partial_kernel<Cfg><<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  // dimsplit: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
+  const dim3 grid_partial(Cfg::kRowBlocks * Cfg::kClusterCtas, p.num_splits, p.batch_size);
+  partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 grid_combine(Cfg::kRowsMax, p.batch_size);

@@ -1,0 +1,421 @@
+// mlagen/mla_verify_dimsplit.cuh — split-KV partial kernel of MLA verify attention, schedule "dimsplit":
+// every KV row of a split crosses L2 -> shared memory once for all H x q_len rows of its request.
+//
+// One (row block, split, request) is a thread-block cluster of two CTAs on two SMs. CTA rank c owns
+// half of the 576 dims of every KV row: latent dims [256c, 256c + 256) and rope dims
+// [512 + 32c, 512 + 32c + 32) (288 dims, 576 bytes per token), so together they hold all rows' Q
+// (bf16) and O (fp32), which one SM's registers and 99 KB of shared memory cannot (docs/perf-notes.md).
+// Per KV tile of kBlockN tokens (consumed 16 tokens at a time):
+//   producer warp   page-table gather, two cp.async.bulk per token (latent half, rope half) into a
+//                   kStages ring; full[stage] counts the bytes, empty[stage] the consumer warps done.
+//   consumer warp w m-tile w (16 rows): S_c = Q[:, dims_c] K[:, dims_c]^T in mma.sync fragments; the
+//                   fragment goes to the peer CTA's shared memory (st.shared::cluster) with a remote
+//                   mbarrier arrival; S = S_0 + S_1 (the same sum in both CTAs, so both run the same
+//                   softmax); online softmax in the fragment registers (4-lane row reductions);
+//                   O_c += P V[:, 256c : 256c + 256] with P taken straight from the score registers.
+// No __syncthreads in the main loop: stages are handed over by mbarriers (full / empty), the score
+// exchange by one mbarrier per (buffer, warp) in each CTA, double buffered. Both CTAs write their
+// halves of o_part; rank 0 writes lse_part. The combine kernel (mla_verify_combine.cuh) is shared
+// with the rowblock schedule. Only mma.sync, ldmatrix, cp.async.bulk (no multicast), mbarrier and
+// cluster shared memory: the same code runs on sm_90 and sm_120.
+// Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16"; P from the S accumulators as the
+// A operand of the next MMA is the register reuse of FlashAttention-2 (Dao, 2023).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "mlagen/mla_verify_config.cuh"
+#include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_partial.cuh"  // key_visible
+#include "mlagen/mla_verify_split.cuh"
+#include "mlagen/ptx.cuh"
+
+namespace mlagen {
+
+// Compile-time configuration of a dimsplit variant; the fields the combine kernel, the launcher and
+// the Python module read have the same names as in MlaVerifyConfig.
+template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kBlockN_, int kWarps_,
+          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+struct MlaDimSplitConfig {
+  static constexpr bool kDimSplit = true;
+  static constexpr int kClusterCtas = 2;  // CTAs per (row block, split, request)
+  static constexpr int kHeads = kHeads_;
+  static constexpr int kQLenMax = kQLenMax_;
+  static constexpr int kKvLoraRank = kKvLoraRank_;
+  static constexpr int kRopeDim = kRopeDim_;
+  static constexpr int kDimQK = kKvLoraRank + kRopeDim;
+  static constexpr int kDimV = kKvLoraRank;
+  static constexpr int kPageSize = kPageSize_;
+  static constexpr MaskKind kMask = kMask_;
+
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowTiles = kRowTiles_;  // consumer warps, one m16 row tile each
+  static constexpr int kProducerWarp = kRowTiles;
+  static constexpr int kRowsPerCta = kRowTiles * 16;  // rows of the cluster (both CTAs hold all of them)
+  static constexpr int kRowsMax = kHeads * kQLenMax;
+  static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
+  static constexpr int kStages = kStages_;
+
+  // This CTA's half of a KV row: latent [c * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + c * kRopeHalf, +kRopeHalf).
+  static constexpr int kLatentHalf = kKvLoraRank / 2;
+  static constexpr int kRopeHalf = kRopeDim / 2;
+  static constexpr int kDimCta = kLatentHalf + kRopeHalf;  // 288
+  static constexpr int kKSteps = kDimCta / 16;              // 18 k16 steps of Q K^T per CTA
+  static constexpr int kLatentSteps = kLatentHalf / 16;
+  static constexpr int kDimVCta = kLatentHalf;              // 256 output dims per CTA
+  // A stage of kBlockN tokens is consumed in sub-tiles of 16: scores of 16 tokens (2 n8 tiles) are
+  // the most that fit beside Q (72) and O (128 words per thread) without spilling.
+  static constexpr int kSubTile = 16;
+  static constexpr int kSubTiles = kBlockN / kSubTile;
+  static constexpr int kNTilesS = kSubTile / 8;              // n8 score tiles per warp
+  static constexpr int kNTilesO = kDimVCta / 8;              // n8 output tiles per warp
+
+  // Shared memory: KV ring (rows padded by 16 B: 592 B = 37 x 16 B, an odd count of 16-B units, so
+  // the 8 row addresses of an ldmatrix fall in distinct bank groups), the score exchange buffers
+  // [2][kRowTiles][kNTilesS][32 lanes][4 floats] (a warp's fragment, lane-contiguous per n8 tile:
+  // conflict-free 16-B stores and loads), then the mbarriers.
+  static constexpr int kKvRowElems = kDimCta + 8;
+  static constexpr int kStageElems = kBlockN * kKvRowElems;
+  static constexpr int kSmemKv = kStages * kStageElems * 2;
+  static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
+  static constexpr int kSmemXchg = 2 * kRowTiles * kXchgFloatsPerWarp * 4;
+  static constexpr int kNumBars = 2 * kStages + 2 * kRowTiles;  // full, empty, exchange
+  static constexpr int kSmemBars = kNumBars * 8;
+  // The last kQSmemSteps k16 steps of each warp's Q (the rope dims) are read with ldmatrix from shared
+  // memory instead of held in registers: 8 registers of headroom that keep ptxas from spilling at 255.
+  static constexpr int kQSmemSteps = kRopeHalf / 16;
+  static constexpr int kQRegSteps = kKSteps - kQSmemSteps;
+  static constexpr int kQSmemRowElems = kQSmemSteps * 16 + 8;  // +16 B: odd count of 16-B units per row
+  static constexpr int kSmemQ = kRowTiles * 16 * kQSmemRowElems * 2;
+  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemBars + kSmemQ;
+
+  static constexpr int kLatentBytes = kLatentHalf * 2;
+  static constexpr int kRopeBytes = kRopeHalf * 2;
+  static constexpr int kTokenBytes = kDimCta * 2;  // bytes of one token row this CTA loads
+  static constexpr int kLoadBytes = 16;            // reported to Python (bulk copies move 16-B multiples)
+
+  // Registers held per consumer thread across the main loop (fp32 / bf16x2 words).
+  static constexpr int kRegsQ = kQRegSteps * 4;
+  static constexpr int kRegsS = kNTilesS * 4;
+  static constexpr int kRegsO = kNTilesO * 4;
+
+  static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
+  static_assert(kQLenMax >= 1 && kQLenMax <= 64, "q_len must be in [1, 64] (tree mask is a 64-bit row)");
+  static_assert(kPageSize >= 1 && (kPageSize & (kPageSize - 1)) == 0, "page_size must be a power of two");
+  static_assert(kLatentHalf % 16 == 0 && kRopeHalf % 16 == 0, "each CTA's latent and rope halves must be k16 multiples");
+  static_assert((kKvRowElems * 2) % 16 == 0 && kLatentBytes % 16 == 0 && kRopeBytes % 16 == 0,
+                "bulk copies move 16-byte multiples between 16-byte aligned rows");
+  static_assert(kBlockN == 16 || kBlockN == 32, "dimsplit: block_n must be 16 or 32 (one token per producer lane)");
+  static_assert(kRowTiles >= 1 && kRowTiles + 1 <= kWarps, "dimsplit: num_warps must be at least row_tiles + 1");
+  static_assert(kWarps <= 8, "dimsplit: at most 8 warps (about 230 registers per thread, one CTA per SM)");
+  static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
+  static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
+  static_assert(kRegsQ + kRegsS + kRegsO <= 200, "register tiles would spill");
+};
+
+template <class Cfg>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
+    mla_verify_dimsplit_kernel(const MlaVerifyParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
+  float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);  // [kStages]
+  uint64_t* empty_bar = full_bar + Cfg::kStages;                                               // [kStages]
+  uint64_t* xfull_bar = empty_bar + Cfg::kStages;  // [2][kRowTiles]: the peer's scores have landed
+  __nv_bfloat16* q_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t4 = lane % 4;
+  const uint32_t rank = ptx::cluster_cta_rank();
+  const uint32_t peer = rank ^ 1u;
+
+  const int row_block = blockIdx.x / Cfg::kClusterCtas;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int q_len = p.q_len;
+  const int rows = q_len * Cfg::kHeads;
+  const int row0 = row_block * Cfg::kRowsPerCta;
+  if (row0 >= rows) return;  // the same for both CTAs of the cluster
+  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
+  const int live_warps = (live_rows + 15) / 16;
+
+  const int kv_len = p.kv_lens[b];
+  const int prefix_len = kv_len - q_len;
+  int tile_begin, tile_end;
+  split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
+  const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
+  float* lse_part = p.lse_part + ws_row_base;
+  if (tile_begin >= tile_end) {  // empty split (both CTAs): contributes nothing
+    if (rank == 0)
+      for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
+    return;
+  }
+  const int num_tiles = tile_end - tile_begin;
+
+  if (tid == 0) {
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      ptx::mbarrier_init(full_bar + st, 1);
+      ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
+    }
+    for (int i = 0; i < 2 * Cfg::kRowTiles; ++i) ptx::mbarrier_init(xfull_bar + i, 32);  // every peer lane arrives
+    ptx::fence_barrier_init();
+  }
+  // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
+  // finite data (zeros or an earlier tile's rows), which P = 0 cancels exactly.
+  for (int i = tid; i < Cfg::kSmemKv / 16; i += Cfg::kThreads)
+    reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  ptx::fence_proxy_async_smem();  // generic zero stores before the bulk copies' async writes
+  ptx::cluster_sync();            // both CTAs' barriers initialized before any remote arrival
+
+  int64_t table_row = b;
+  if (p.req_idx != nullptr) {
+    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
+                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
+  }
+  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+
+  if (warp == Cfg::kProducerWarp) {
+    // ---- producer: lane n loads token n of each tile (its slot is gathered one tile ahead).
+    auto slot_of = [&](int tile) -> int64_t {
+      const int pos = tile * Cfg::kBlockN + lane;
+      if (lane >= Cfg::kBlockN || pos >= kv_len) return -1;
+      const int64_t page = page_row[pos / Cfg::kPageSize];
+      return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+    };
+    int64_t slot = slot_of(tile_begin);
+    for (int i = 0; i < num_tiles; ++i) {
+      const int tile = tile_begin + i;
+      const int stage = i % Cfg::kStages;
+      if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
+      const int left = kv_len - tile * Cfg::kBlockN;
+      const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
+      if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kTokenBytes);
+      __syncwarp();
+      if (lane < valid) {
+        __nv_bfloat16* dst = kv_smem + stage * Cfg::kStageElems + lane * Cfg::kKvRowElems;
+        const __nv_bfloat16* src = p.kv + slot * p.kv_stride_slot;
+        ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
+        if constexpr (Cfg::kRopeHalf > 0) {
+          ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
+                             full_bar + stage);
+        }
+      }
+      slot = i + 1 < num_tiles ? slot_of(tile + 1) : -1;
+    }
+  } else if (warp < live_warps) {
+    // ---- consumer warp: m-tile `warp` of the cluster's rows.
+    uint32_t q_frag[Cfg::kQRegSteps > 0 ? Cfg::kQRegSteps : 1][4];
+    __nv_bfloat16* q_warp_smem = q_smem + warp * 16 * Cfg::kQSmemRowElems;  // [16 rows][kQSmemRowElems]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + warp * 16 + g + half * 8;
+      const bool row_ok = r < rows;
+      const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
+      const __nv_bfloat16* q_row =
+          p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        const int dim = ks < Cfg::kLatentSteps
+                            ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
+                            : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
+        const int k0 = dim + 2 * t4;
+        const uint32_t lo = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
+        const uint32_t hi = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
+        if (ks < Cfg::kQRegSteps) {
+          q_frag[ks][half] = lo;
+          q_frag[ks][half + 2] = hi;
+        } else {  // row g + 8 half of this lane's pairs, as an ldmatrix source
+          __nv_bfloat16* dst = q_warp_smem + (g + half * 8) * Cfg::kQSmemRowElems + (ks - Cfg::kQRegSteps) * 16 + 2 * t4;
+          *reinterpret_cast<uint32_t*>(dst) = lo;
+          *reinterpret_cast<uint32_t*>(dst + 8) = hi;
+        }
+      }
+    }
+    __syncwarp();  // the warp's Q rows in shared memory are read only by the warp itself
+
+    float o_acc[Cfg::kNTilesO][4];
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};  // running row max (log2 units) of rows g, g + 8
+    float l_run[2] = {0.f, 0.f};              // this thread's share of the running row sums
+
+    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    const uint32_t xchg_local = ptx::smem_u32(xchg_smem);
+    const uint32_t xchg_remote = ptx::map_to_cta(xchg_local, peer);
+    const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
+
+    for (int i = 0; i < num_tiles; ++i) {
+      const int tile = tile_begin + i;
+      const int stage = i % Cfg::kStages;
+      ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+      const bool tile_in_prefix = (tile + 1) * Cfg::kBlockN <= prefix_len;
+#pragma unroll 1
+      for (int sub = 0; sub < Cfg::kSubTiles; ++sub) {
+      const __nv_bfloat16* kv_stage = kv_smem + stage * Cfg::kStageElems + sub * Cfg::kSubTile * Cfg::kKvRowElems;
+      const int key0 = tile * Cfg::kBlockN + sub * Cfg::kSubTile;  // first token of the sub-tile
+      const int xj = i * Cfg::kSubTiles + sub;                        // exchange sequence number
+
+      // ---- S_c = Q_c K_c^T over this CTA's 288 dims
+      float s[Cfg::kNTilesS][4];
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      {
+        const int m = lane / 8;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+          uint32_t qa_smem[4];
+          if (ks >= Cfg::kQRegSteps) {  // matrices: (rows 0-7, k lo), (rows 8-15, k lo), (rows 0-7, k hi), (rows 8-15, k hi)
+            ptx::ldmatrix_x4(qa_smem, q_warp_smem + ((m % 2) * 8 + lane % 8) * Cfg::kQSmemRowElems +
+                                          (ks - Cfg::kQRegSteps) * 16 + (m / 2) * 8);
+          }
+          const uint32_t(&qa)[4] = ks < Cfg::kQRegSteps ? q_frag[ks < Cfg::kQRegSteps ? ks : 0] : qa_smem;
+#pragma unroll
+          for (int np = 0; np < Cfg::kNTilesS / 2; ++np) {
+            // matrices: (tokens 0-7, k lo), (tokens 0-7, k hi), (tokens 8-15, k lo), (tokens 8-15, k hi)
+            const int n = np * 16 + (m / 2) * 8 + lane % 8;
+            uint32_t kb[4];
+            ptx::ldmatrix_x4(kb, kv_stage + n * Cfg::kKvRowElems + ks * 16 + (m % 2) * 8);
+            ptx::mma_bf16_16816(s[2 * np], qa, kb[0], kb[1]);
+            ptx::mma_bf16_16816(s[2 * np + 1], qa, kb[2], kb[3]);
+          }
+        }
+      }
+
+      // ---- exchange: send S_c to the peer, add the peer's S_{1-c} (same sum in both CTAs)
+      const int buf = xj & 1;
+      const int xoff = (buf * Cfg::kRowTiles + warp) * Cfg::kXchgFloatsPerWarp;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
+        ptx::st_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
+      }
+      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>((buf * Cfg::kRowTiles + warp) * 8));
+      ptx::mbarrier_wait_parity_cluster(xfull_bar + buf * Cfg::kRowTiles + warp, static_cast<uint32_t>(xj >> 1) & 1u);
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        const float4 v = *reinterpret_cast<const float4*>(xchg_smem + xoff + (nt * 32 + lane) * 4);
+        s[nt][0] += v.x;
+        s[nt][1] += v.y;
+        s[nt][2] += v.z;
+        s[nt][3] += v.w;
+      }
+
+      // ---- mask and online softmax in registers (rows g and g + 8; a row spans the 4 lanes t4)
+      // A tile wholly inside the prefix (all but the last one or two of a request) needs no mask test;
+      // the draft rows' mask bits are read (from L1) only for the others.
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+      if (!tile_in_prefix) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = row0 + warp * 16 + g + half * 8;
+          const int qi = r / Cfg::kHeads;
+          int64_t mask_row = 0;
+          if constexpr (Cfg::kMask == MaskKind::kTree) {
+            if (r < rows) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+          }
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = key0 + nt * 8 + 2 * t4 + e;
+              if (!key_visible<Cfg>(key, kv_len, prefix_len, qi, mask_row)) s[nt][2 * half + e] = -INFINITY;
+            }
+        }
+      }
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+      float alpha[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
+        tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
+        const float m_new = fmaxf(m_run[half], tile_max[half]);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+        alpha[half] = exp2f(m_run[half] - m_use);
+        m_run[half] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+          s[nt][2 * half] = exp2f(s[nt][2 * half] - m_use);
+          s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - m_use);
+          sum += s[nt][2 * half] + s[nt][2 * half + 1];
+        }
+        l_run[half] = l_run[half] * alpha[half] + sum;
+      }
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {  // some row max moved
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
+          o_acc[nt][0] *= alpha[0];
+          o_acc[nt][1] *= alpha[0];
+          o_acc[nt][2] *= alpha[1];
+          o_acc[nt][3] *= alpha[1];
+        }
+      }
+
+      // ---- O_c += P V_c: P (bf16) from the score registers as the A operand
+      {
+        const int m = lane / 8;
+        {
+          constexpr int j = 0;  // one k16 step: the sub-tile's 16 tokens
+          uint32_t pa[4];
+          pa[0] = ptx::pack_bf16x2(s[2 * j][0], s[2 * j][1]);
+          pa[1] = ptx::pack_bf16x2(s[2 * j][2], s[2 * j][3]);
+          pa[2] = ptx::pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]);
+          pa[3] = ptx::pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3]);
+          const int token = j * 16 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+          for (int nb = 0; nb < Cfg::kNTilesO / 2; ++nb) {
+            // matrices: (tokens lo, dims 0-7), (tokens hi, dims 0-7), (tokens lo, dims 8-15), (tokens hi, dims 8-15)
+            uint32_t vb[4];
+            ptx::ldmatrix_x4_trans(vb, kv_stage + token * Cfg::kKvRowElems + nb * 16 + (m / 2) * 8);
+            ptx::mma_bf16_16816(o_acc[2 * nb], pa, vb[0], vb[1]);
+            ptx::mma_bf16_16816(o_acc[2 * nb + 1], pa, vb[2], vb[3]);
+          }
+        }
+      }
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(empty_bar + stage);  // this warp is done with the stage
+    }
+
+    // ---- epilogue: normalized partial O (this CTA's 256 dims) and, from rank 0, the LSE
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = l_run[half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int r = warp * 16 + g + half * 8;  // row within the block
+      if (r < live_rows) {
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        float* o_row = p.o_part + (ws_row_base + r) * Cfg::kDimV + rank * Cfg::kDimVCta;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
+          *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
+              make_float2(o_acc[nt][2 * half] * inv_l, o_acc[nt][2 * half + 1] * inv_l);
+        }
+        if (rank == 0 && t4 == 0) lse_part[r] = l > 0.f ? (m_run[half] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      }
+    }
+  }
+  __syncwarp();
+  ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
+}
+
+}  // namespace mlagen
