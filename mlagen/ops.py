@@ -99,8 +99,8 @@ class VerifyKernel:
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
 
-        Fixed variants return their nsplit. ``auto``: :func:`auto_num_splits` of bs * row_blocks CTA
-        groups on occupancy * SMs slots (whole waves), in [1, 256]; each request then spreads its
+        Fixed variants return their nsplit. ``auto``: :func:`auto_num_splits` of bs * row_blocks *
+        ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on occupancy * SMs slots (whole waves), in [1, 256]; each request then spreads its
         tiles over those splits on the device (at least AUTO_MIN_TOKENS_PER_SPLIT tokens per
         non-empty split).
         """
@@ -115,7 +115,7 @@ class VerifyKernel:
                 if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
                 self._sm[idx] = _sm_count(dev) * occ
-        return auto_num_splits(max(1, batch_size) * v.row_blocks, self._sm[idx])
+        return auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx])
 
     def limit_smem_per_sm(self, nbytes: int | None, device: torch.device | None = None) -> None:
         """Run the partial kernel as if an SM had only ``nbytes`` of shared memory (None: the device's own).

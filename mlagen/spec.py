@@ -14,11 +14,22 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from mlagen.tables import ARCHS, DTYPES, MASKS
+from mlagen.tables import ARCHS, DTYPES, MASKS, SCHEDULES
 
 
 class SpecError(ValueError):
     """A spec is invalid; the message is one line naming the key and the allowed values."""
+
+
+MESSAGE_VALUE_LIMIT = 200  # characters of a bad value quoted in a message
+MAX_VARIANTS = 512  # larger sweeps need an explicit limit (mlagen --max-variants N)
+
+
+def short_repr(value: Any, limit: int = MESSAGE_VALUE_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters for a one-line message (a bad value may be a large
+    YAML structure)."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
 
 
 _NAME_RE = __import__("re").compile(r"[A-Za-z0-9_.-]{1,100}")
@@ -52,16 +63,16 @@ class Param:
             return value
         if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(
-                f"spec key '{self.name}': expected int, got {type(value).__name__} {value!r}; allowed: {self.describe()}"
+                f"spec key '{self.name}': expected int, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
             )
         if self.kind is str and not isinstance(value, str):
             raise SpecError(
-                f"spec key '{self.name}': expected str, got {type(value).__name__} {value!r}; allowed: {self.describe()}"
+                f"spec key '{self.name}': expected str, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
             )
         if self.allowed is not None and value not in self.allowed:
-            raise SpecError(f"spec key '{self.name}': value {value!r} not allowed; allowed: {self.describe()}")
+            raise SpecError(f"spec key '{self.name}': value {short_repr(value)} not allowed; allowed: {self.describe()}")
         if self.lo is not None and not (self.lo <= value <= self.hi):
-            raise SpecError(f"spec key '{self.name}': value {value!r} out of range; allowed: {self.describe()}")
+            raise SpecError(f"spec key '{self.name}': value {short_repr(value)} out of range; allowed: {self.describe()}")
         return value
 
 
@@ -80,6 +91,7 @@ PARAMS: dict[str, Param] = {
         Param("row_tiles", int, lo=1, hi=8, default=2),
         Param("stages", int, lo=2, hi=6, default=3),
         Param("overlap", int, allowed=(0, 1), default=0),  # 1: scores of tile t+1 overlap P V of tile t (bulk only)
+        Param("schedule", str, allowed=tuple(SCHEDULES), default="rowblock"),  # dimsplit: 2-CTA cluster, KV read once per split
         Param("mask", str, allowed=tuple(MASKS), default="tree"),
         Param("dtype", str, allowed=tuple(DTYPES), default="bf16"),
     ]
@@ -92,7 +104,7 @@ DEFAULT_ARCHS = ("sm_120", "sm_90")
 
 _URI_RE = __import__("re").compile(
     r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
-    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?"
+    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?(?:_(?P<sched>dimsplit))?"
     r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16)_(?P<archs>sm\d+(?:_sm\d+)*)"
 )
 
@@ -117,6 +129,7 @@ class Variant:
     archs: tuple[str, ...]
     kernel: str = "mla_verify"
     overlap: int = 0  # 1 only with load_width bulk; in the uri as _ov1 (absent = 0)
+    schedule: str = "rowblock"  # in the uri as _dimsplit (absent = rowblock)
 
     @property
     def uri(self) -> str:
@@ -125,6 +138,7 @@ class Variant:
             f"{self.kernel}_h{self.heads}_q{self.q_len}_kv{self.kv_lora_rank}_rope{self.qk_rope_head_dim}"
             f"_ps{self.page_size}_ns{self.nsplit}_lw{self.load_width}_bn{self.block_n}_w{self.num_warps}"
             f"_rt{self.row_tiles}_st{self.stages}{'_ov1' if self.overlap else ''}"
+            f"{'_' + SCHEDULES[self.schedule] if SCHEDULES[self.schedule] else ''}"
             f"_{MASKS[self.mask][1]}_{DTYPES[self.dtype][1]}_{arch}"
         )
 
@@ -162,6 +176,11 @@ class Variant:
     def row_blocks(self) -> int:
         return -(-self.rows_max // self.rows_per_cta)
 
+    @property
+    def ctas_per_row_block(self) -> int:
+        """CTAs that share one (row block, split, request): 2 for dimsplit (a cluster), else 1."""
+        return 2 if self.schedule == "dimsplit" else 1
+
     def spec_dict(self, name: str = "variant") -> dict:
         """A spec mapping (see :func:`parse_spec`) whose only variant is this one."""
         d = {k: getattr(self, _FIELD_OF_KEY.get(k, k)) for k in PARAMS}
@@ -181,14 +200,15 @@ class Variant:
         """
         m = _URI_RE.fullmatch(uri)
         if not m:
-            raise ValueError(f"not an mlagen variant uri: {uri!r}")
+            raise ValueError(f"not an mlagen variant uri: {short_repr(uri)}")
         g = m.groupdict()
         archs = tuple("sm_" + a[2:] for a in g["archs"].split("_"))
         ns = g["ns"]
         return cls(heads=int(g["h"]), q_len=int(g["q"]), kv_lora_rank=int(g["kv"]), qk_rope_head_dim=int(g["rope"]),
                    page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=g["lw"] if g["lw"] == "bulk" else int(g["lw"]),
                    block_n=int(g["bn"]), num_warps=int(g["w"]), row_tiles=int(g["rt"]), stages=int(g["st"]),
-                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0)
+                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0,
+                   schedule=g["sched"] or "rowblock")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Variant":
@@ -206,6 +226,27 @@ class Spec:
     values: Mapping[str, tuple]
     archs: tuple[str, ...]
     source: str = "<dict>"
+
+    @property
+    def n_variants(self) -> int:
+        """How many variants :meth:`variants` yields (product of the value-list lengths), not expanded."""
+        n = 1
+        for k in PARAMS:
+            n *= len(self.values[k])
+        return n
+
+    def check_size(self, limit: int | None = None) -> None:
+        """Refuse a sweep of more than ``limit`` (default :data:`MAX_VARIANTS`) variants.
+
+        Raises:
+            SpecError: naming the count, the swept keys and how to allow it.
+        """
+        limit = MAX_VARIANTS if limit is None else limit
+        n = self.n_variants
+        if n > limit:
+            dims = " x ".join(f"{k} {len(self.values[k])}" for k in PARAMS if len(self.values[k]) > 1)
+            raise SpecError(f"spec {self.name} sweeps {n:,} variants ({dims}), more than the limit of {limit:,}: "
+                            f"narrow its lists, or allow it with --max-variants {n}")
 
     def variants(self) -> list[Variant]:
         """Cartesian product of all value lists, in spec order (no feasibility filtering)."""
@@ -234,13 +275,13 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
     allowed_keys = sorted(set(PARAMS) | set(META_KEYS) | {"arch"})
     for key in data:
         if key not in allowed_keys:
-            raise SpecError(f"unknown spec key {key!r}; allowed keys: {', '.join(allowed_keys)}")
+            raise SpecError(f"unknown spec key {short_repr(key)}; allowed keys: {', '.join(allowed_keys)}")
     for key, typ in META_KEYS.items():
         if key in data and not isinstance(data[key], typ):
             raise SpecError(f"spec key '{key}': expected {typ.__name__}, got {type(data[key]).__name__}")
     kernel = data.get("kernel", "mla_verify")
     if kernel not in KERNELS:
-        raise SpecError(f"spec key 'kernel': value {kernel!r} not allowed; allowed: {', '.join(KERNELS)}")
+        raise SpecError(f"spec key 'kernel': value {short_repr(kernel)} not allowed; allowed: {', '.join(KERNELS)}")
 
     values: dict[str, tuple] = {}
     for name, param in PARAMS.items():
@@ -260,7 +301,7 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
         raise SpecError(f"spec key 'arch': empty list; allowed: {', '.join(ARCHS)}")
     for a in archs_raw:
         if not isinstance(a, str) or a not in ARCHS:
-            raise SpecError(f"spec key 'arch': value {a!r} not allowed; allowed: {', '.join(ARCHS)}")
+            raise SpecError(f"spec key 'arch': value {short_repr(a)} not allowed; allowed: {', '.join(ARCHS)}")
     archs = tuple(dict.fromkeys(archs_raw))
 
     for rank in values["kv_lora_rank"]:
@@ -281,7 +322,7 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
                 )
     name = data.get("name") or (Path(source).stem if source != "<dict>" else "spec")
     if not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise SpecError(f"spec key 'name': {name!r} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
+        raise SpecError(f"spec key 'name': {short_repr(name)} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
     return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source)
 
 
@@ -316,7 +357,7 @@ def uri_globs(pattern: str | None) -> list[str] | None:
         return None
     globs = [g.strip() for g in pattern.split(",") if g.strip()]
     if not globs:
-        raise ValueError(f"--kernels {pattern!r} names no glob")
+        raise ValueError(f"--kernels {short_repr(pattern)} names no glob")
     return globs
 
 
