@@ -3,7 +3,9 @@
 For each shape: mlagen's fastest verified variant (a small tuning sweep per bucket, each module
 verified first), SGLang's verify path (extend_attention_fwd + custom tree mask) and SGLang's
 split-KV decode kernel (decode_attention_fwd, q_len*H rows as heads, best of num_kv_splits 8/16/64;
-it ignores the tree mask, a speed alternative only) on identical inputs. Ceilings are measured in
+it ignores the tree mask, a speed alternative only) and FlashInfer's MLA kernels (fa2 as it picks it
+on this GPU, fa2 as it would pick it on a 100 KB-per-SM sm_120 GPU, fa3 on Hopper; causal, outputs
+compared with a causal mlagen run: bench/flashinfer_baselines.py) on identical inputs. Ceilings are measured in
 the same run: copy bandwidth (read + write) and the mma.sync bf16 rate. Floor per shape:
 max(bytes / copy BW, FLOPs / mma rate), bytes = KV once + q + out, FLOPs = 2*rows*ctx*(576+512).
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ceilings  # noqa: E402
+import flashinfer_baselines as fib  # noqa: E402
 import sglang_baselines as sgl  # noqa: E402
 
 import mlagen  # noqa: E402
@@ -35,6 +38,7 @@ from mlagen.ops import SM120_SMEM_PER_SM, VerifyKernel  # noqa: E402
 from mlagen.registry import Registry  # noqa: E402
 from mlagen.spec import parse_spec  # noqa: E402
 from mlagen.verify import summarize, verify_kernel  # noqa: E402
+from mlagen.feasibility import dimsplit_row_tiles  # noqa: E402
 
 # (H, q_len, bs, ctx, page_size)
 SMALL = ([(8, 9, bs, c, ps) for ps in (1, 64) for bs in (1, 4) for c in (4096, 16384, 65536, 131072)]
@@ -51,9 +55,10 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     mask = "tree" if q_len > 1 else "causal"
     rows = H * q_len
     rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
+    rt = sorted(set(rt) | {dimsplit_row_tiles(rows)})  # dimsplit: one row-tile count per shape
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
-                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3], row_tiles=rt,
-                num_warps=[4, 8, 16], overlap=[0, 1],
+                nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3, 4], row_tiles=rt,
+                num_warps=[4, 8, 16], overlap=[0, 1], schedule=["rowblock", "dimsplit"],
                 load_width="bulk")  # bulk beat 128-bit cp.async at every shape of the H200 grid
 
 
@@ -78,6 +83,11 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--grid", choices=["small", "full"], default="small")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-sglang", action="store_true")
+    ap.add_argument("--flashinfer", action=argparse.BooleanOptionalAction, default=True,
+                    help="FlashInfer MLA columns (default on; skipped with one line when flashinfer does not import)")
+    ap.add_argument("--fi-columns", type=_fi_columns_arg, metavar="LIST",
+                    help="FlashInfer columns, comma-separated from fa2, fa2@sm120, fa3 (default: all three, fa3 on "
+                    "Hopper only; with --smem-per-sm: fa2@sm120 only)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
@@ -147,8 +157,48 @@ def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] |
     return kernels
 
 
-def _measure_shape(shape, kernels, ceil, ok_sgl) -> tuple[dict, list[dict]]:
-    """One row: mlagen's fastest verified auto variant, fixed NSPLIT on its tile, SGLang's kernels."""
+def _mlagen_causal_out(p: dict, k: VerifyKernel):
+    """mlagen's output on ``p`` under the causal mask (a tree kernel runs a chain tree, which is that mask),
+    to compare with FlashInfer's causal MLA; None for a variant with mask "none" at q_len > 1."""
+    q = p["q_len"]
+    if k.variant.mask == "none" and q > 1:
+        return None
+    P = p["page_size"]
+    table = p["req_to_token"] if P == 1 else (p["req_to_token"][:, ::P] // P).contiguous()
+    tree = fib.causal_tree_mask(p["bs"], q, p["q"].device) if k.variant.mask == "tree" else None
+    out = torch.empty(p["q"].shape[0], p["H"], 512, dtype=torch.bfloat16, device=p["q"].device)
+    k(p["q"], p["kv_cache"], table, p["kv_lens"], q_len=q, softmax_scale=p["softmax_scale"], tree_mask=tree, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+def _measure_fi(p: dict, k_best: VerifyKernel, fi_cols, fi_smem: int) -> dict:
+    """FlashInfer columns of one row: <key>_us per column, fi_max_abs_diff {column: max |FI - mlagen|}
+    against mlagen's causal output, fi_errors {column: message} for a column that failed."""
+    res, diffs, errs = {}, {}, {}
+    try:
+        ref = _mlagen_causal_out(p, k_best)
+    except Exception as e:  # noqa: BLE001 — report, never fake
+        ref, errs["mlagen causal"] = None, f"{type(e).__name__}: {e}"
+    for c in fi_cols:
+        try:
+            us, diff = fib.measure(p, c, fi_smem, ref)
+            res[f"{fib.KEYS[c]}_us"] = us
+            if diff is not None:
+                diffs[c] = diff
+        except Exception as e:  # noqa: BLE001
+            errs[c] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    if diffs:
+        res["fi_max_abs_diff"] = diffs
+    if errs:
+        res["fi_errors"] = errs
+    torch.cuda.empty_cache()
+    return res
+
+
+def _measure_shape(shape, kernels, ceil, ok_sgl, fi_cols=(), fi_smem=SM120_SMEM_PER_SM) -> tuple[dict, list[dict]]:
+    """One row: mlagen's fastest verified auto variant, fixed NSPLIT on its tile, SGLang's kernels,
+    FlashInfer's MLA kernels (``fi_cols``; fa2@sm120 configured for ``fi_smem`` bytes of shared memory per SM)."""
     H, q, bs, ctx, ps = shape
     bw, mma = ceil["copy_gbs"], ceil["mma_tflops"]
     p = sgl.make_problem(H, q, bs, ctx, ps, seed=ctx + bs)
@@ -187,6 +237,8 @@ def _measure_shape(shape, kernels, ceil, ok_sgl) -> tuple[dict, list[dict]]:
             row.update(sglang_decode_us=dec[s_best], sglang_decode_splits=s_best, sglang_decode_all=dec)
         except Exception as e:  # noqa: BLE001 — report, never fake
             row["sglang_error"] = f"{type(e).__name__}: {e}"
+    if fi_cols:
+        row.update(_measure_fi(p, [k for k in cands if k.variant.uri == best_uri][0], fi_cols, fi_smem))
     del p
     torch.cuda.empty_cache()
     return row, sweep
@@ -194,7 +246,8 @@ def _measure_shape(shape, kernels, ceil, ok_sgl) -> tuple[dict, list[dict]]:
 
 def _versions() -> dict:
     return dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__, triton=_ver("triton"),
-                sglang=_ver("sglang"), mlagen=mlagen.__version__, python=platform.python_version())
+                sglang=_ver("sglang"), flashinfer=_ver("flashinfer-python"), mlagen=mlagen.__version__,
+                python=platform.python_version())
 
 
 def main(argv=None) -> int:
@@ -219,19 +272,23 @@ def main(argv=None) -> int:
     ok_sgl, why = (False, "--skip-sglang") if a.skip_sglang else sgl.sglang_available()
     if not ok_sgl:
         print(f"SGLang columns skipped: {why}")
+    fi_cols, fi_smem = _fi_setup(a, smem_cap)
+    wait_fi = fib.prebuild_in_background(fi_cols, fi_smem) if fi_cols else None  # JIT while mlagen builds
     ceil = ceilings.measure_ceilings()
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, mma.sync bf16 {ceil['mma_tflops']:.0f} TFLOP/s {ceil['errors'] or ''}",
           flush=True)
 
     t0 = time.time()
     kernels = _build_and_verify(sorted({(g[0], g[1], g[4]) for g in (grid[i] for i in ids)}), a, smem_cap)
+    if wait_fi is not None:
+        fi_cols = _fi_ready(wait_fi, fi_cols)
     if kernels is None:
         return 1
     print(f"built + verified {sum(len(v) for v in kernels.values())} variants in {time.time() - t0:.0f} s", flush=True)
 
     rows, sweep = [], []
     for i in ids:
-        row, sw = _measure_shape(grid[i], kernels, ceil, ok_sgl)
+        row, sw = _measure_shape(grid[i], kernels, ceil, ok_sgl, fi_cols, fi_smem)
         row["grid_index"] = i
         rows.append(row)
         sweep += sw
@@ -243,18 +300,51 @@ def main(argv=None) -> int:
         (out_dir / "bench.json").write_text(json.dumps(dict(partial=True, ceilings=ceil, rows=rows, nsplit_sweep=sweep), indent=1))
 
     record = dict(_versions(), ceilings=ceil, grid=a.grid, rows=rows, nsplit_sweep=sweep, at=time.time(),
-                  mlagen_smem_per_sm=smem_cap)
+                  mlagen_smem_per_sm=smem_cap, **_fi_record(fi_cols, fi_smem))
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
     if a.shard is None:
         _finish(record, out_dir)
     return 0
 
 
+def _fi_setup(a: argparse.Namespace, smem_cap) -> tuple[list[str], int]:
+    """(FlashInfer columns to measure, shared memory per SM the fa2@sm120 column is configured for);
+    one line saying which, or why none."""
+    fi_smem = smem_cap if smem_cap is not None else SM120_SMEM_PER_SM
+    if not a.flashinfer:
+        print("FlashInfer columns skipped: --no-flashinfer")
+        return [], fi_smem
+    ok, why = fib.flashinfer_available()
+    if not ok:
+        print(f"FlashInfer columns skipped: {why}")
+        return [], fi_smem
+    cc = torch.cuda.get_device_capability()[0]
+    cols, notes = fib.usable_columns(a.fi_columns or fib.default_columns(cc, smem_cap is not None), cc)
+    for n in notes:
+        print(n)
+    print(f"FlashInfer columns: {', '.join(fib.label(c, fi_smem) for c in cols) or 'none'} ({why})", flush=True)
+    return cols, fi_smem
+
+
+def _fi_ready(wait, cols: list[str]) -> list[str]:
+    """Wait for the FlashInfer JIT builds; the columns whose module built."""
+    secs, errs = wait()
+    for c, e in errs.items():
+        print(f"{fib.LABELS[c]} left out: JIT build failed: {e}")
+    print(f"FlashInfer modules ready after {secs:.0f} s (JIT-compiled on first use, then cached)", flush=True)
+    return [c for c in cols if c not in errs]
+
+
+def _fi_record(cols: list[str], fi_smem: int) -> dict:
+    return dict(flashinfer_columns={fib.KEYS[c]: fib.label(c, fi_smem) for c in cols},
+                fi_smem_per_sm=fi_smem if "fa2@sm120" in cols else None)
+
+
 def _finish(record: dict, out_dir: Path) -> None:
     """Registry entry, printed table and plot of a complete run."""
     Registry().add_bench_run(record)
-    _table(record["rows"], record["nsplit_sweep"])
-    _plot(record["rows"], out_dir / "bench.png", record["device"])
+    _table(record["rows"], record["nsplit_sweep"], record.get("flashinfer_columns"))
+    _plot(record["rows"], out_dir / "bench.png", record["device"], record.get("flashinfer_columns"))
     print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 
@@ -282,7 +372,12 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
     import subprocess
 
     t0 = time.time()
+    smem_cap = SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm
+    fi_cols, fi_smem = _fi_setup(a, smem_cap)
+    wait_fi = fib.prebuild_in_background(fi_cols, fi_smem) if fi_cols else None  # the workers find them built
     _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
+    if wait_fi is not None:
+        fi_cols = _fi_ready(wait_fi, fi_cols)
     print(f"built the tuning sweeps in {time.time() - t0:.0f} s; measuring on {n_gpus} GPUs", flush=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(n_gpus)]
@@ -293,7 +388,8 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
         sub = out_dir / f"gpu{g}"
         sub.mkdir(parents=True, exist_ok=True)
         (sub / "bench.json").unlink(missing_ok=True)  # a record left by an earlier run must not be merged
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--gpus", "1", "--shard",
+        fi_args = ["--fi-columns", ",".join(fi_cols)] if fi_cols else ["--no-flashinfer"]  # the columns that built
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, *fi_args, "--gpus", "1", "--shard",
                ",".join(map(str, share)), "--out", str(sub)]
         log = open(sub / "bench.log", "w")
         procs.append((g, sub, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -319,7 +415,7 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
     rows.sort(key=lambda r: r["grid_index"])
     record = dict(_versions(), ceilings=shards[0]["ceilings"] if shards else None, shards=shards, grid=a.grid,
                   rows=rows, nsplit_sweep=sorted(sweep, key=lambda s: (s["ctx"], str(s["nsplit"]))), at=time.time(),
-                  mlagen_smem_per_sm=SM120_SMEM_PER_SM if a.smem_per_sm == "sm120" else a.smem_per_sm, partial=rc != 0 or len(rows) < len(grid))
+                  mlagen_smem_per_sm=smem_cap, partial=rc != 0 or len(rows) < len(grid), **_fi_record(fi_cols, fi_smem))
     (out_dir / "bench.json").write_text(json.dumps(record, indent=1))
     if rows:
         _finish(record, out_dir)
@@ -346,6 +442,14 @@ _smem_arg = _word_or_count("sm120", "byte count")  # --smem-per-sm
 _gpus_arg = _word_or_count("all", "GPU count")  # --gpus
 
 
+def _fi_columns_arg(text: str) -> list[str]:
+    """--fi-columns value: FlashInfer column names (fa2, fa2@sm120, fa3), comma-separated."""
+    try:
+        return fib.parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _kernels_arg(text: str) -> str:
     """--kernels value: one uri glob or several comma-separated ones."""
     from mlagen.spec import uri_globs
@@ -358,12 +462,12 @@ def _kernels_arg(text: str) -> str:
 
 
 def _tile(uri: str) -> str:
-    """The tuning part of a uri: load width, block_n, warps, row tiles, stages, overlap."""
+    """The tuning part of a uri: load width, block_n, warps, row tiles, stages, overlap, schedule."""
     from mlagen.spec import Variant
 
     v = Variant.from_uri(uri)
     return (f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
-            f"{'_ov1' if v.overlap else ''}")
+            f"{'_ov1' if v.overlap else ''}{'_dimsplit' if v.schedule == 'dimsplit' else ''}")
 
 
 def _fmt(r: dict) -> str:
@@ -374,18 +478,32 @@ def _fmt(r: dict) -> str:
         s += f" | triton verify {r['sglang_verify_us']:9.1f} us ({r['sglang_verify_us'] / r['mlagen_us']:6.1f}x)"
     if "sglang_decode_us" in r:
         s += f" | triton split-KV S={r['sglang_decode_splits']} {r['sglang_decode_us']:7.1f} us ({r['sglang_decode_us'] / r['mlagen_us']:5.1f}x)"
+    for c in fib.COLUMNS:
+        us = r.get(f"{fib.KEYS[c]}_us")
+        if us is not None:
+            s += f" | {fib.LABELS[c]} {us:7.1f} us ({us / r['mlagen_us']:4.2f}x)"
     if "auto_over_best_fixed" in r:
         s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
     if "max_abs_diff_vs_sglang" in r:
         s += f" | max|diff| {r['max_abs_diff_vs_sglang']:.3g}"
+    if r.get("fi_max_abs_diff"):
+        s += " | causal max|diff| vs " + ", ".join(f"{fib.LABELS[c]} {d:.3g}" for c, d in r["fi_max_abs_diff"].items())
     if "sglang_error" in r:
         s += f" | sglang error: {r['sglang_error'][:80]}"
+    for c, e in r.get("fi_errors", {}).items():
+        s += f" | {fib.LABELS.get(c, c)} error: {e[:100]}"
     return s
 
 
-def _table(rows, sweep) -> None:
-    print("\n| H | q | bs | ctx | ps | mlagen µs | GB/s | of floor | floor µs | Triton verify µs | speedup | Triton split-KV µs (S) | speedup | auto / best fixed NSPLIT |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def _table(rows, sweep, fi_labels: dict | None = None) -> None:
+    """The printed table; FlashInfer columns (``fi_labels``: row key -> header, default fib.LABELS) for
+    those present in any row: µs and FlashInfer / mlagen, then the largest causal max|diff| vs mlagen."""
+    labels = {fib.KEYS[c]: lab for c, lab in fib.LABELS.items()}
+    labels.update(fi_labels or {})
+    fi_keys = [fib.KEYS[c] for c in fib.COLUMNS if any(f"{fib.KEYS[c]}_us" in r for r in rows)]
+    fi_head = "".join(f" {labels[k]} µs (x mlagen) |" for k in fi_keys) + (" causal max|diff| vs FI |" if fi_keys else "")
+    print("\n| H | q | bs | ctx | ps | mlagen µs | GB/s | of floor | floor µs | Triton verify µs | speedup | Triton split-KV µs (S) | speedup | auto / best fixed NSPLIT |" + fi_head)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(fi_keys) + (1 if fi_keys else 0)))
     for r in rows:
         tv, td, us = r.get("sglang_verify_us"), r.get("sglang_decode_us"), r["mlagen_us"]
         tv_s = "-" if tv is None else f"{tv:.0f}"
@@ -394,14 +512,16 @@ def _table(rows, sweep) -> None:
         td_x = "-" if td is None else f"{td / us:.1f}x"
         print(f"| {r['H']} | {r['q_len']} | {r['bs']} | {r['ctx']} | {r['page_size']} | {us:.1f} | {r['gbs']:.0f} | "
               f"{r['frac_floor']:.2f} | {r['floor_us']:.1f} | {tv_s} | {tv_x} | {td_s} | {td_x} | "
-              + (f"{r['auto_over_best_fixed']:.2f} (ns{r['best_fixed_nsplit']})" if "auto_over_best_fixed" in r else "-") + " |")
+              + (f"{r['auto_over_best_fixed']:.2f} (ns{r['best_fixed_nsplit']})" if "auto_over_best_fixed" in r else "-") + " |"
+              + "".join(f" {r[k + '_us']:.1f} ({r[k + '_us'] / us:.2f}x) |" if k + "_us" in r else " - |" for k in fi_keys)
+              + ((f" {max(r['fi_max_abs_diff'].values()):.2g} |" if r.get("fi_max_abs_diff") else " - |") if fi_keys else ""))
     if sweep:
         print("\nNSPLIT sweep, H=8 q=9 bs=1 ps=1 (µs):")
         for ctx in sorted({s["ctx"] for s in sweep}):
             print(f"  ctx={ctx}: " + ", ".join(f"ns{s['nsplit']}={s['us']:.1f}" for s in sweep if s["ctx"] == ctx))
 
 
-def _plot(rows, path, device) -> None:
+def _plot(rows, path, device, fi_labels: dict | None = None) -> None:
     from mlagen.plot import plot_time_vs_context
 
     sel = [r for r in rows if (r["H"], r["q_len"], r["bs"], r["page_size"]) == (8, 9, 1, 1)]
@@ -410,6 +530,11 @@ def _plot(rows, path, device) -> None:
         series["SGLang extend_attention_fwd (verify path)"] = [(r["ctx"], r["sglang_verify_us"]) for r in sel if "sglang_verify_us" in r]
     if any("sglang_decode_us" in r for r in sel):
         series["SGLang decode_attention_fwd (best splits, no tree mask)"] = [(r["ctx"], r["sglang_decode_us"]) for r in sel if "sglang_decode_us" in r]
+    for c in fib.COLUMNS:
+        k = fib.KEYS[c] + "_us"
+        if any(k in r for r in sel):
+            series[f"{(fi_labels or {}).get(fib.KEYS[c], fib.LABELS[c])} (FlashInfer MLA, causal)"] = [
+                (r["ctx"], r[k]) for r in sel if k in r]
     plot_time_vs_context(series, str(path), f"H=8 q_len=9 tree bs=1 page_size=1 on {device}",
                          [(r["ctx"], r["floor_us"]) for r in sel])
 
