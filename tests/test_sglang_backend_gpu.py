@@ -272,7 +272,7 @@ class _Runner:
         return self._q_len
 
 
-def _make_backends(sgl, kernels, H, ps, q_len, role, mask):
+def _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint=False):
     from mlagen.sglang_plugin.backend import MlagenAttnBackend
 
     spec = role == "verify"
@@ -292,9 +292,38 @@ def _make_backends(sgl, kernels, H, ps, q_len, role, mask):
     k = kernels[key]
     ours = MlagenAttnBackend(runner, verify_kernel=k if spec else None, decode_kernel=None if spec else k,
                              fallback=fb_triton)
-    layer = sgl.RadixAttention(num_heads=H, head_dim=576, scaling=SCALE, num_kv_heads=1, layer_id=0,
-                               v_head_dim=512)
+    layer = _layer(sgl, H, fp8_checkpoint)
     return runner, ref, ours, layer
+
+
+def _layer(sgl, H, fp8_checkpoint=False):
+    """A RadixAttention as deepseek_v2.py builds ``attn_mqa``. ``fp8_checkpoint``: under the quantization
+    config of DeepSeek-V3 / Kimi-K2's fp8 checkpoints (quant_method fp8, 128x128 weight blocks), whose
+    KV-cache quant method gives the layer k_scale / v_scale; the checkpoint has no KV scales, so they
+    load as 1.0 (process_weights_after_loading), as on a server."""
+    if not fp8_checkpoint:
+        return sgl.RadixAttention(num_heads=H, head_dim=576, scaling=SCALE, num_kv_heads=1, layer_id=0,
+                                  v_head_dim=512)
+    kw = dict(num_heads=H, head_dim=576, scaling=SCALE, num_kv_heads=1, layer_id=0, v_head_dim=512,
+              prefix="model.layers.0.self_attn.attn_mqa")
+    try:
+        from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+        quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                          weight_block_size=[128, 128])
+        layer = sgl.RadixAttention(**kw, quant_config=quant)
+    except Exception as e:  # noqa: BLE001 - fp8.py imports MoE / linear kernels; the KV-cache method is the same code
+        print(f"\n[fp8 layer] Fp8Config does not build here ({e!r}); using its KV-cache method's base class")
+        from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+
+        layer = sgl.RadixAttention(**kw)
+        layer.quant_method = BaseKVCacheMethod(None)
+        layer.quant_method.create_weights(layer)
+    assert layer.k_scale is not None, f"the fp8 config gave the layer no KV scales ({layer.quant_method!r})"
+    layer.to("cuda")
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.k_scale_float == 1.0 and layer.v_scale_float == 1.0 and float(layer.k_scale) == 1.0
+    return layer
 
 
 def _parents(q_len, tree, gen):
@@ -376,10 +405,54 @@ CASES = [(role, H, ps, draft) for H in H_LIST for ps in PAGE_SIZES
 
 @pytest.mark.parametrize("role, H, ps, draft", CASES, ids=[f"{r}-h{h}-ps{p}-{d}" for r, h, p, d in CASES])
 def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
-    gen = torch.Generator().manual_seed(1000 * H + ps + (7 if draft == "chain" else 0))
+    _parity(sgl, kernels, role, H, ps, draft, REPLAYS)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_fp8_checkpoint_layer_matches_triton(sgl, kernels, ps):
+    """A layer built under an fp8 checkpoint's quantization config (k_scale / v_scale loaded as 1.0) over
+    the bf16 pool: eager and replayed, the same outputs as Triton's backend with that layer."""
+    _parity(sgl, kernels, "verify", 8, ps, "tree", min(REPLAYS, 200), fp8_checkpoint=True)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_eager_dp_padded_verify_matches_triton(sgl, kernels, ps):
+    """DP attention (--enable-dp-attention) pads an eager verify batch to the largest rank's size
+    (ForwardBatch.prepare_mlp_sync_batch: req_pool_indices 0, seq_len 1, _original_batch_size = the real
+    count) while the custom mask covers only the real rows. The padded rows must not index the mask (a
+    device-side assert otherwise); the real rows equal Triton's on the unpadded batch, the padded rows 0."""
+    gen = torch.Generator().manual_seed(4242 + ps)
+    H, q_len = 8, Q_TREE
+    runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, "verify", "tree")
+    for real, bs in ((1, 2), (3, 8), (5, 16), (9, 9)):
+        b = _Batch(sgl, runner, "verify", q_len, real, True, gen)
+        fb = b.forward_batch()
+        ref.init_forward_metadata(fb)
+        want = _forward(ref, layer, fb, b.q, b.k, "verify").float()
+        npad, T = bs - real, real * q_len
+        dev = b.seq_lens.device
+        padded = _fb(sgl.ForwardMode.TARGET_VERIFY, bs,
+                     torch.cat([b.rpi, torch.zeros(npad, dtype=b.rpi.dtype, device=dev)]),
+                     torch.cat([b.seq_lens, torch.ones(npad, dtype=b.seq_lens.dtype, device=dev)]),
+                     torch.cat([b.out_cache_loc, torch.zeros(npad * q_len, dtype=torch.int64, device=dev)]),
+                     b.spec_info())
+        padded._original_batch_size = real
+        q = torch.cat([b.q, torch.randn(npad * q_len, H, 576, device=dev).to(torch.bfloat16)])
+        k = torch.cat([b.k, torch.zeros(npad * q_len, 1, 576, device=dev, dtype=torch.bfloat16)])
+        ours.init_forward_metadata(padded)
+        got = _forward(ours, layer, padded, q, k, "verify").float()
+        torch.cuda.synchronize()
+        err = _check(want, got[:T], f"eager DP-padded verify, {real} real of {bs} rows")
+        if npad:
+            assert got[T:].abs().max().item() == 0.0, "padded rows must output 0"
+        print(f"\n[dp-padded eager] ps={ps} real={real} bs={bs}: max err {err:.3e}")
+
+
+def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
+    gen = torch.Generator().manual_seed(1000 * H + ps + (7 if draft == "chain" else 0) + (3 if fp8_checkpoint else 0))
     q_len = (Q_TREE if draft == "tree" else Q_CHAIN) if role == "verify" else 1
     mask = "causal" if (role == "decode" or draft == "chain") else "tree"
-    runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, role, mask)
+    runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint)
     tree = draft == "tree"
     errs = {"eager": 0.0, "replay": 0.0, "replay_vs_eager": 0.0}
 
@@ -431,7 +504,7 @@ def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
             graphs[(name, bs)] = (g, out)
 
     n_pad_seen = 0
-    for it in range(REPLAYS):
+    for it in range(replays):
         raw = int(torch.randint(1, MAX_BS + 1, (1,), generator=gen))
         bs = min(c for c in CAPTURE_BS if c >= raw)
         b = _Batch(sgl, runner, role, q_len, raw, tree, gen)
@@ -469,5 +542,5 @@ def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
             if bs == raw:
                 assert d == 0.0, f"replay {it} differs from eager by {d} at the same batch size"
     assert n_pad_seen > 0
-    print(f"\n[mlagen vs triton] {role} H={H} ps={ps} draft={draft} q_len={q_len}: "
+    print(f"\n[mlagen vs triton] {role} H={H} ps={ps} draft={draft} q_len={q_len}{' fp8-ckpt' if fp8_checkpoint else ''}: "
           + ", ".join(f"max err {k} {v:.3e}" for k, v in errs.items()))

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.metadata as im
 import json
+import math
 import sys
 import types
 
@@ -425,3 +426,198 @@ def test_installed_package_entry_point():
                     "lines in pyproject.toml and `pip install -e .`)")
     assert eps[0].name == "mlagen"
     assert eps[0].load().__name__ == "register"
+
+
+# ----------------------------------------------------------------------------- forward through the backend (CPU)
+# A torch-reference kernel stands in for a compiled variant; the pool, layer and forward batch are
+# stand-ins with the fields SGLang's MLA pool / RadixAttention / ForwardBatch give the backend.
+from mlagen.reference import mla_verify_reference  # noqa: E402
+
+
+class _RefKernel:
+    """CPU stand-in for a loaded ``VerifyKernel``: mlagen's torch reference written into ``out``."""
+
+    def __init__(self, H, q_len, mask, page_size):
+        self.variant = types.SimpleNamespace(heads=H, q_len=q_len, mask=mask, page_size=page_size,
+                                             kv_lora_rank=512, dim_v=512, dim_qk=576)
+        self.calls = 0
+
+    def workspace_numel(self, bs, device=None):
+        return 8 * bs
+
+    def alloc_workspace(self, bs, device):
+        return torch.zeros(self.workspace_numel(bs), dtype=torch.float32, device=device)
+
+    def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len, softmax_scale, tree_mask=None,
+                 req_pool_indices=None, out=None, lse=None, workspace=None):
+        self.calls += 1
+        assert q.shape == (kv_lens.shape[0] * q_len, self.variant.heads, 576) and out.shape[0] == q.shape[0]
+        o, _ = mla_verify_reference(q, kv_cache, block_table, kv_lens, q_len=q_len,
+                                    page_size=self.variant.page_size, softmax_scale=softmax_scale,
+                                    mask=self.variant.mask, tree_mask=tree_mask)
+        out.copy_(o.to(out.dtype))
+        return out, lse
+
+
+class _Pool:
+    """MLA KV pool stand-in: one [slots, 1, 576] bf16 buffer per layer (V = the first 512 dims)."""
+
+    def __init__(self, slots, layers=1, gen=None):
+        self.kv_buffer = [torch.randn(slots, 1, 576, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+
+    def get_key_buffer(self, layer_id):
+        return self.kv_buffer[layer_id]
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v):
+        self.kv_buffer[layer.layer_id][loc_info.loc] = cache_k.reshape(-1, 1, 576).to(torch.bfloat16)
+
+
+@pytest.fixture
+def kv_write_loc(monkeypatch):
+    """SGLang's KVWriteLoc (a stand-in with its ``for_batch`` when memory_pool does not import here)."""
+    pytest.importorskip("sglang")
+    try:
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc  # noqa: F401
+        return
+    except Exception:  # noqa: BLE001 - transformers etc. are not installed with sglang --no-deps
+        pass
+
+    class KVWriteLoc:
+        def __init__(self, loc, swa_loc=None, full_loc=None, physical=True):
+            self.loc = loc
+
+        @classmethod
+        def for_batch(cls, fb, *, swa_loc=None, full_loc=None):
+            return cls(fb.out_cache_loc, physical=fb.out_cache_loc_is_physical)
+
+    mod = types.ModuleType("sglang.srt.mem_cache.memory_pool")
+    mod.KVWriteLoc = KVWriteLoc
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+
+def _layer(H, scale, layer_id=0, kv_scale=None):
+    """A RadixAttention stand-in; ``kv_scale``: the scales an fp8 checkpoint's quant method gives every
+    attention layer (BaseKVCacheMethod: k_scale / v_scale parameters, loaded as ``kv_scale`` or 1.0)."""
+    layer = types.SimpleNamespace(tp_q_head_num=H, qk_head_dim=576, v_head_dim=512, scaling=scale,
+                                  layer_id=layer_id, logit_cap=0.0, k_scale=None, v_scale=None,
+                                  k_scale_float=None, v_scale_float=None)
+    if kv_scale is not None:
+        layer.k_scale = torch.nn.Parameter(torch.tensor(float(kv_scale)), requires_grad=False)
+        layer.v_scale = torch.nn.Parameter(torch.tensor(float(kv_scale)), requires_grad=False)
+        layer.k_scale_float = layer.v_scale_float = float(kv_scale)
+    return layer
+
+
+def _verify_setup(gen, *, H=2, q_len=5, ps=1, bs=3, width=48, rows=8, mask="tree", real=None, layers=1):
+    """A backend over a random req_to_token and pool, and one random verify batch of ``bs`` rows
+    (``real`` of them real: the rest padded the way SGLang pads a DP-attention batch)."""
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    real = bs if real is None else real
+    pages = torch.randperm(rows * width // ps, generator=gen).reshape(rows, width // ps) + 1
+    r2t = (pages[:, :, None] * ps + torch.arange(ps)).reshape(rows, width).to(torch.int32)
+    pool = _Pool((rows * width // ps + 2) * ps, layers, gen)
+    mr = types.SimpleNamespace(
+        device="cpu", req_to_token_pool=types.SimpleNamespace(req_to_token=r2t), token_to_kv_pool=pool,
+        kv_index_translator=None, page_size=ps, model_config=types.SimpleNamespace(context_len=width))
+    be = MlagenAttnBackend(mr, verify_kernel=_RefKernel(H, q_len, mask, ps), decode_kernel=None,
+                           fallback=_Fallback(), verify_q_len=q_len)
+    rpi = torch.randperm(rows - 1, generator=gen)[:real] + 1  # row 0: the padding row
+    lens = torch.randint(1, width - q_len + 1, (real,), generator=gen)
+    parents = [_parents(q_len, gen) for _ in range(real)]
+    full = torch.cat([_full_mask_from_parents(p, int(L)).reshape(-1) for p, L in zip(parents, lens)])
+    loc = r2t[rpi[:, None], lens[:, None] + torch.arange(q_len)].reshape(-1).to(torch.int64)
+    npad = bs - real
+    fb = types.SimpleNamespace(
+        forward_mode=_Mode("verify"), batch_size=bs,
+        req_pool_indices=torch.cat([rpi, torch.zeros(npad, dtype=rpi.dtype)]),
+        seq_lens=torch.cat([lens, torch.ones(npad, dtype=lens.dtype)]),  # the Triton fill value 1
+        out_cache_loc=torch.cat([loc, torch.zeros(npad * q_len, dtype=loc.dtype)]),
+        out_cache_loc_is_physical=True,
+        spec_info=types.SimpleNamespace(custom_mask=full.to(torch.uint8), num_tokens_per_req=q_len))
+    if npad:
+        fb._original_batch_size = real  # ForwardBatch.prepare_mlp_sync_batch
+    tree = torch.tensor([[sum(1 << j for j in range(q_len) if m[i, int(L) + j]) for i in range(q_len)]
+                         for m, L in ((_full_mask_from_parents(p, int(L)), L) for p, L in zip(parents, lens))],
+                        dtype=torch.int64).reshape(real, q_len)
+    q = torch.randn(bs * q_len, H, 576, generator=gen).to(torch.bfloat16)
+    k = torch.randn(bs * q_len, 1, 576, generator=gen).to(torch.bfloat16)
+    return types.SimpleNamespace(be=be, pool=pool, r2t=r2t, fb=fb, q=q, k=k, rpi=rpi, lens=lens, loc=loc,
+                                 tree=tree, real=real, q_len=q_len, ps=ps, H=H, parents=parents)
+
+
+def _parents(q_len, gen):
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)]
+
+
+def _expected(s, pool_layer, scale):
+    """Reference output of the real rows on ``pool_layer`` (after the draft K was written)."""
+    q_len, ps = s.q_len, s.ps
+    table = (s.r2t[s.rpi][:, ::ps] // ps).contiguous()
+    o, _ = mla_verify_reference(s.q[: s.real * q_len], pool_layer, table, (s.lens + q_len).to(torch.int32),
+                                q_len=q_len, page_size=ps, softmax_scale=scale, mask="tree", tree_mask=s.tree)
+    return o
+
+
+def _verify_forward(s, layer):
+    s.be.init_forward_metadata(s.fb)
+    out = s.be.forward_extend(s.q, s.k, s.k[..., :512], layer, s.fb, save_kv_cache=True)
+    assert out.shape == (s.fb.batch_size * s.q_len, s.H * 512) and not out.float().isnan().any()
+    return out.float().view(-1, s.H, 512)
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, "pow2", "other"])
+def test_fp8_checkpoint_layers_served_like_triton(kv_write_loc, kv_scale):
+    """Checkpoints with an fp8 quantization config (DeepSeek-V3/R1, Kimi-K2) give every attention layer
+    k_scale / v_scale (1.0 when the checkpoint has no KV scales). Over a bf16 pool the backend serves
+    them as SGLang's Triton backend does: K stored divided by k_scale, scores times k_scale, output
+    times v_scale, so the output equals the unscaled layer's (exactly for 1.0 and powers of two)."""
+    gen = torch.Generator().manual_seed(11)
+    s = _verify_setup(gen)
+    if kv_scale == "pow2":
+        kv_scale = 2.0 ** int(torch.randint(-3, 4, (1,), generator=gen).item() or 1)
+    elif kv_scale == "other":
+        kv_scale = float(torch.empty(1).uniform_(0.3, 3.0, generator=gen))
+    plain_pool = s.pool.kv_buffer[0].clone()
+    # the prefix as SGLang wrote it for this layer (Triton's extend / prefill also store K / k_scale)
+    s.pool.kv_buffer[0].copy_((plain_pool.float() / kv_scale).to(torch.bfloat16))
+    scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+    out_scaled = _verify_forward(s, _layer(s.H, scale, kv_scale=kv_scale))
+    stored = s.pool.kv_buffer[0][s.loc, 0].float()
+    s.pool.kv_buffer[0].copy_(plain_pool)
+    out_plain = _verify_forward(s, _layer(s.H, scale))
+    assert torch.equal(s.pool.kv_buffer[0][s.loc, 0], s.k[:, 0])  # unscaled layer: K stored as is
+    want = _expected(s, s.pool.kv_buffer[0], scale)
+    assert (out_plain - want).abs().max().item() < 2e-2
+    if kv_scale == 1.0 or math.log2(kv_scale).is_integer():
+        assert torch.equal(stored, (s.k[:, 0].float() / kv_scale))
+        assert torch.equal(out_scaled, out_plain)
+    else:
+        assert torch.allclose(stored, s.k[:, 0].float() / kv_scale, rtol=1e-2, atol=1e-2)
+        assert (out_scaled - out_plain).abs().max().item() < 5e-2
+
+
+def test_kv_scales_without_loaded_floats_are_a_clear_error(kv_write_loc):
+    gen = torch.Generator().manual_seed(12)
+    s = _verify_setup(gen)
+    layer = _layer(s.H, 0.1, kv_scale=1.0)
+    layer.k_scale_float = None
+    with pytest.raises(MlagenSetupError, match="no k_scale_float / v_scale_float"):
+        _verify_forward(s, layer)
+
+
+@pytest.mark.parametrize("real, bs", [(3, 5), (1, 4), (4, 4)])
+def test_eager_dp_padded_verify_never_reads_past_the_mask(kv_write_loc, real, bs):
+    """DP attention pads an eager verify batch to the largest rank's size (req_pool_indices 0, seq_len 1,
+    ForwardBatch._original_batch_size = the real count) while the custom mask covers the real rows only:
+    padded rows must not index it; the real rows match the reference and the padded rows output 0."""
+    gen = torch.Generator().manual_seed(100 * real + bs)
+    s = _verify_setup(gen, real=real, bs=bs)
+    scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+    out = _verify_forward(s, _layer(s.H, scale))
+    m = s.be.forward_metadata
+    assert m.kv_lens.tolist() == (s.lens + s.q_len).tolist() + [0] * (bs - real)
+    assert m.tree_mask[:real].tolist() == s.tree.tolist() and m.tree_mask[real:].abs().sum() == 0
+    want = _expected(s, s.pool.kv_buffer[0], scale)
+    assert (out[: real * s.q_len] - want).abs().max().item() < 2e-2
+    assert out[real * s.q_len:].abs().max().item() == 0.0 if bs > real else True

@@ -155,6 +155,17 @@ class MlagenAttnBackend(_Base):
         tokens = max(1, min(width, tokens))
         return -(-tokens // self.page_size)
 
+    @staticmethod
+    def _num_padding(forward_batch, bs: int) -> int:
+        """Padded rows at the end of the batch: the replay view's ``num_padding``; in an eager batch
+        padded for DP attention (``prepare_mlp_sync_batch``: req_pool_indices 0, seq_len 1, no
+        spec-info rows), the rows past ``_original_batch_size``."""
+        npad = int(getattr(forward_batch, "num_padding", 0) or 0)
+        orig = getattr(forward_batch, "_original_batch_size", None)
+        if not npad and isinstance(orig, int) and not isinstance(orig, bool) and 0 <= orig < bs:
+            npad = bs - orig
+        return npad
+
     def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False) -> MlagenMetadata:
         kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
         spec_info = getattr(forward_batch, "spec_info", None)
@@ -162,8 +173,8 @@ class MlagenAttnBackend(_Base):
         rpi = forward_batch.req_pool_indices
         bs = int(rpi.shape[0])
         seq_lens = forward_batch.seq_lens[:bs]
-        npad = int(getattr(forward_batch, "num_padding", 0) or 0)
-        real = bs - npad
+        real = bs - self._num_padding(forward_batch, bs)
+        npad = bs - real
         extra = q_len if kind == "verify" else 0
         npages = self._num_pages(forward_batch, bs, extra, graph, in_capture)
         if graph:
@@ -274,11 +285,13 @@ class MlagenAttnBackend(_Base):
             raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
             raise NotImplementedError("mlagen backend: logit capping is not supported")
-        if getattr(layer, "k_scale", None) is not None:
-            raise MlagenSetupError("mlagen backend: scaled (fp8) KV cache layers are not supported")
+        k_descale, v_descale = kv_descales(layer)
         if save_kv_cache and k is not None:
             from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+            k_scale = getattr(layer, "k_scale", None)
+            if k_scale is not None and k_descale != 1.0:
+                k = k / k_scale  # as SGLang's Triton backend stores it (a new tensor: k stays unchanged)
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
         H, D, DV = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         qv = q.reshape(-1, H, D)
@@ -286,8 +299,10 @@ class MlagenAttnBackend(_Base):
             qv = qv.contiguous()
         out = q.new_empty((qv.shape[0], H, DV))
         meta.kernel(qv, self.token_to_kv_pool.get_key_buffer(layer.layer_id), meta.block_table,
-                    meta.kv_lens, q_len=meta.q_len, softmax_scale=float(layer.scaling),
+                    meta.kv_lens, q_len=meta.q_len, softmax_scale=float(layer.scaling) * k_descale,
                     tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
+        if v_descale != 1.0:
+            out.mul_(v_descale)
         return out.view(-1, H * DV)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -301,6 +316,25 @@ class MlagenAttnBackend(_Base):
         if meta is not None and meta.kind == "decode" and forward_batch.forward_mode.is_decode():
             return self._run(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         return self.fallback.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+def kv_descales(layer) -> tuple:
+    """(k_descale, v_descale) of a RadixAttention layer over a bf16 MLA pool, as SGLang's Triton backend
+    applies them: checkpoints with a quantization config (e.g. DeepSeek-V3 / Kimi-K2 fp8 weights) give
+    every attention layer ``k_scale`` / ``v_scale`` (1.0 once loaded when the checkpoint has no KV
+    scales). K is stored divided by ``k_scale``, scores are multiplied by ``k_scale_float`` and the
+    output by ``v_scale_float``; (1.0, 1.0) when the layer has no scales.
+
+    Raises:
+        MlagenSetupError: the layer has scale tensors but no loaded float scales (weights not processed).
+    """
+    if getattr(layer, "k_scale", None) is None or getattr(layer, "v_scale", None) is None:
+        return 1.0, 1.0
+    ks, vs = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
+    if ks is None or vs is None:
+        raise MlagenSetupError(f"mlagen backend: layer {getattr(layer, 'layer_id', '?')} has KV scales but no "
+                               "k_scale_float / v_scale_float (its weights were not processed after loading)")
+    return float(ks), float(vs)
 
 
 # -------------------------------------------------------------------- factory
