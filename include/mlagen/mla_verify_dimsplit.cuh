@@ -6,8 +6,9 @@
 // [512 + 32c, 512 + 32c + 32) (288 dims, 576 bytes per token), so together they hold all rows' Q
 // (bf16) and O (fp32), which one SM's registers and 99 KB of shared memory cannot (docs/perf-notes.md).
 // Per KV tile of kBlockN tokens (consumed 16 tokens at a time):
-//   producer warp   page-table gather, two cp.async.bulk per token (latent half, rope half) into a
-//                   kStages ring; full[stage] counts the bytes, empty[stage] the consumer warps done.
+//   producer warp   page-table gather, then 16-byte cp.async (or two cp.async.bulk per token) of the
+//                   latent and rope halves into a kStages ring; full[stage] completes when they
+//                   land, empty[stage] when every consumer warp is done with the stage.
 //   consumer warp w m-tile w (16 rows): S_c = Q[:, dims_c] K[:, dims_c]^T in mma.sync fragments; the
 //                   fragment goes to the peer CTA's shared memory (st.shared::cluster) with a remote
 //                   mbarrier arrival; S = S_0 + S_1 (the same sum in both CTAs, so both run the same
@@ -35,8 +36,8 @@ namespace mlagen {
 
 // Compile-time configuration of a dimsplit variant; the fields the combine kernel, the launcher and
 // the Python module read have the same names as in MlaVerifyConfig.
-template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kBlockN_, int kWarps_,
-          int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
+          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
 struct MlaDimSplitConfig {
   static constexpr bool kDimSplit = true;
   static constexpr int kClusterCtas = 2;  // CTAs per (row block, split, request)
@@ -95,7 +96,15 @@ struct MlaDimSplitConfig {
   static constexpr int kLatentBytes = kLatentHalf * 2;
   static constexpr int kRopeBytes = kRopeHalf * 2;
   static constexpr int kTokenBytes = kDimCta * 2;  // bytes of one token row this CTA loads
-  static constexpr int kLoadBytes = 16;            // reported to Python (bulk copies move 16-B multiples)
+  static constexpr int kLoadBytes = 16;            // 16-B cp.async chunks, or bulk copies of 16-B multiples
+  // Loader: kLoadBits_ 0 ("bulk"): each producer lane issues two cp.async.bulk per token; the copy
+  // engine serializes a warp's bulk copies (one per lane), so 64 per stage cost the producer warp
+  // about 2 µs per 16 tokens on the H200. 128: the producer warp issues 16-byte cp.async, one warp
+  // instruction per token's 512-byte latent half (lane = chunk) plus one per 8 tokens' rope halves,
+  // and each lane's copies complete on full[stage] (cp.async.mbarrier.arrive.noinc).
+  static constexpr bool kBulkLoad = kLoadBits_ == 0;
+  static constexpr int kLatentChunks = kLatentHalf * 2 / 16;  // 32 lanes x 16 B = 512 B
+  static constexpr int kRopeChunks = kRopeHalf * 2 / 16;      // 4 per token
 
   // Registers held per consumer thread across the main loop (fp32 / bf16x2 words).
   static constexpr int kRegsQ = kQRegSteps * 4;
@@ -109,6 +118,9 @@ struct MlaDimSplitConfig {
   static_assert((kKvRowElems * 2) % 16 == 0 && kLatentBytes % 16 == 0 && kRopeBytes % 16 == 0,
                 "bulk copies move 16-byte multiples between 16-byte aligned rows");
   static_assert(kBlockN == 16 || kBlockN == 32, "dimsplit: block_n must be 16 or 32 (one token per producer lane)");
+  static_assert(kBulkLoad || kLoadBits_ == 128, "dimsplit: load_width must be bulk or 128");
+  static_assert(kBulkLoad || (kLatentChunks == 32 && 32 % kRopeChunks == 0),
+                "dimsplit cp.async loader: one warp instruction per 512-byte latent half (kv_lora_rank 512)");
   static_assert(kRowTiles >= 1 && kRowTiles + 1 <= kWarps, "dimsplit: num_warps must be at least row_tiles + 1");
   static_assert(kWarps <= 8, "dimsplit: at most 8 warps (about 230 registers per thread, one CTA per SM)");
   static_assert(kStages >= 2, "need at least two pipeline stages");
@@ -161,7 +173,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 
   if (tid == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
-      ptx::mbarrier_init(full_bar + st, 1);
+      ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32);  // bulk: 1 arrival + bytes; cp.async: every lane
       ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
     }
     for (int i = 0; i < 2 * Cfg::kRowTiles; ++i) ptx::mbarrier_init(xfull_bar + i, 32);  // every peer lane arrives
@@ -196,16 +208,39 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
       const int left = kv_len - tile * Cfg::kBlockN;
       const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
-      if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kTokenBytes);
-      __syncwarp();
-      if (lane < valid) {
-        __nv_bfloat16* dst = kv_smem + stage * Cfg::kStageElems + lane * Cfg::kKvRowElems;
-        const __nv_bfloat16* src = p.kv + slot * p.kv_stride_slot;
-        ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
-        if constexpr (Cfg::kRopeHalf > 0) {
-          ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
-                             full_bar + stage);
+      __nv_bfloat16* dst_stage = kv_smem + stage * Cfg::kStageElems;
+      if constexpr (Cfg::kBulkLoad) {
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kTokenBytes);
+        __syncwarp();
+        if (lane < valid) {
+          __nv_bfloat16* dst = dst_stage + lane * Cfg::kKvRowElems;
+          const __nv_bfloat16* src = p.kv + slot * p.kv_stride_slot;
+          ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
+          if constexpr (Cfg::kRopeHalf > 0) {
+            ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
+                               full_bar + stage);
+          }
         }
+      } else {
+        // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
+        for (int n = 0; n < valid; ++n) {
+          const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
+          ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + lane * 8,
+                                  p.kv + sn * p.kv_stride_slot + rank * Cfg::kLatentHalf + lane * 8, true);
+        }
+        if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
+          constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
+          for (int n0 = 0; n0 < valid; n0 += kTokPerInstr) {
+            const int n = n0 + lane / Cfg::kRopeChunks;
+            const int c = lane % Cfg::kRopeChunks;
+            const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+            if (n < valid) {
+              ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
+                                      p.kv + sn * p.kv_stride_slot + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8, true);
+            }
+          }
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(full_bar + stage);  // this lane's copies complete on full[stage]
       }
       slot = i + 1 < num_tiles ? slot_of(tile + 1) : -1;
     }

@@ -28,6 +28,12 @@ __device__ __forceinline__ void cp_async_zfill(void* smem_dst, const void* gmem_
   }
 }
 
+// The mbarrier's pending count drops by one when all of this thread's earlier cp.async complete
+// (.noinc: the arrival is counted in the barrier's init count). PTX ISA "cp.async.mbarrier.arrive".
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int kPending>
