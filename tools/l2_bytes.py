@@ -1,0 +1,144 @@
+"""L2 -> SM and DRAM read bytes per KV byte of an mlagen variant, measured with Nsight Compute.
+
+    python3 tools/l2_bytes.py URI [URI ...] [--ctx 65536] [--bs 1] [--ncu ncu]
+
+For each uri (its H, q_len and page size are the uri's; default shape: 64k context, batch 1) this builds
+the variant, runs it three times to warm up, then once between cudaProfilerStart and cudaProfilerStop,
+which is all ncu profiles (`ncu --clock-control none --profile-from-start off`: every kernel of that one
+call, partial and combine or whatever the variant launches), with the metrics
+
+    l1tex__m_xbar2l1tex_read_bytes.sum   bytes L2 -> SM (L1TEX / shared memory, cp.async and bulk copies)
+    dram__bytes_read.sum                 bytes read from DRAM
+    gpu__time_duration.sum               the kernel's time under the profiler (clocks not locked)
+
+and prints one line per kernel: each byte count and its ratio to the KV bytes of the call
+(bs * ctx * 576 * 2; 75.5 MB at 64k bs1). A kernel that reads each KV row once through L2 shows an
+L2 -> SM ratio near 1; the rt1 bulk bn32 64k winner of b461c26 read 5.7x (430 MB).
+Needs a GPU and ncu; the CSV parsing and the report lines are CPU-tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+METRICS = ("l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum", "gpu__time_duration.sum")
+D_QK = 576
+
+
+def kv_bytes(bs: int, ctx: int, dim_qk: int = D_QK) -> int:
+    """KV bytes one call must read (bf16): bs * ctx * dim_qk * 2."""
+    return bs * ctx * dim_qk * 2
+
+
+def ncu_command(uri: str, ctx: int, bs: int, ncu: str = "ncu") -> list[str]:
+    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(METRICS),
+            "--csv", "--print-units", "base", sys.executable, str(Path(__file__).resolve()), "--child", uri,
+            "--ctx", str(ctx), "--bs", str(bs)]
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", "").strip())
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """ncu --csv (details page) -> [{id, name, metrics: {metric: value in base units}}] in launch order.
+    Lines that are not part of the CSV report (==PROF== messages, the program's own output) are skipped."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    kernels: dict[str, dict] = {}
+    header = None
+    for row in csv.reader(io.StringIO("\n".join(lines))):
+        if "Metric Name" in row and "Kernel Name" in row:
+            header = {name: i for i, name in enumerate(row)}
+            continue
+        if header is None or len(row) < len(header):
+            continue
+        kid = row[header["ID"]]
+        k = kernels.setdefault(kid, dict(id=int(kid), name=row[header["Kernel Name"]], metrics={}))
+        try:
+            k["metrics"][row[header["Metric Name"]]] = _num(row[header["Metric Value"]])
+        except ValueError:
+            pass  # a metric ncu could not collect ("n/a")
+    return sorted(kernels.values(), key=lambda k: k["id"])
+
+
+def short_name(name: str) -> str:
+    """'void mla_verify_partial_kernel<Cfg<...>>(MlaVerifyParams)' -> 'mla_verify_partial_kernel'."""
+    base = name.split("(")[0].split("<")[0].strip()
+    return base.split()[-1] if base else name
+
+
+def report_lines(kernels: list[dict], kv: int, uri: str = "") -> list[str]:
+    """One line per kernel: L2 -> SM and DRAM read bytes, each over the KV bytes, and the time."""
+    out = []
+    for k in kernels:
+        m = k["metrics"]
+        l2, dram, t = m.get(METRICS[0]), m.get(METRICS[1]), m.get(METRICS[2])
+        s = f"{short_name(k['name'])}:"
+        s += f" L2->SM {l2 / 1e6:8.1f} MB = {l2 / kv:5.2f} x KV" if l2 is not None else " L2->SM n/a"
+        s += f" | DRAM read {dram / 1e6:8.1f} MB = {dram / kv:5.2f} x KV" if dram is not None else " | DRAM read n/a"
+        s += f" | {t / 1e3:7.1f} us" if t is not None else ""
+        s += f" | KV {kv / 1e6:.1f} MB" + (f" | {uri}" if uri else "")
+        out.append(s)
+    return out
+
+
+def _child(uri: str, ctx: int, bs: int) -> None:
+    """Build and run the variant; the fourth call is the profiled one (between profiler start and stop)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from mlagen.build import build_variants
+    from mlagen.cases import make_problem
+    from mlagen.ops import VerifyKernel
+    from mlagen.spec import Variant
+
+    v = Variant.from_uri(uri)
+    b = build_variants(v.spec_dict("l2bytes"), kernels=v.uri)[0]
+    k = VerifyKernel(b.variant, b.so_path)
+    p = make_problem(v, [ctx] * bs, device="cuda", poison_pool=False, seed=0)
+    ws = k.alloc_workspace(bs, "cuda")
+    out = torch.empty(p.q.shape[0], v.heads, v.dim_v, dtype=torch.bfloat16, device="cuda")
+    call = lambda: k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, workspace=ws, **p.kernel_args())  # noqa: E731
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"splits {k.num_splits(bs)}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("uris", nargs="+", metavar="URI")
+    ap.add_argument("--ctx", type=int, default=65536, help="context (kv length, draft tokens included); default 64k")
+    ap.add_argument("--bs", type=int, default=1)
+    ap.add_argument("--ncu", default=os.environ.get("NCU", "ncu"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the profiled process
+    a = ap.parse_args(argv)
+    if a.child:
+        _child(a.uris[0], a.ctx, a.bs)
+        return 0
+    kv, rc = kv_bytes(a.bs, a.ctx), 0
+    for uri in a.uris:
+        r = subprocess.run(ncu_command(uri, a.ctx, a.bs, a.ncu), capture_output=True, text=True)
+        kernels = parse_ncu_csv(r.stdout)
+        if r.returncode != 0 or not kernels:
+            print(f"{uri}: ncu exit {r.returncode}, {len(kernels)} kernels profiled\n{(r.stdout + r.stderr)[-2000:]}")
+            rc = 1
+            continue
+        for line in report_lines(kernels, kv, uri):
+            print(line, flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
