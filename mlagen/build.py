@@ -14,9 +14,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from mlagen import codegen, feasibility, ninja_gen, paths, ptxas
+from mlagen import codegen, feasibility, ninja_gen, owned, paths, ptxas
 from mlagen.registry import Registry
 from mlagen.spec import Spec, Variant, filter_by_glob, load_spec, parse_spec
 from mlagen.tables import SMEM_LIMIT
@@ -65,7 +65,13 @@ class _Job:
 
 
 def generate(variants: list[Variant]) -> list[_Job]:
-    """Render sources and build.ninja files (written only when changed); one job per build key."""
+    """Render sources and build.ninja files (written only when changed); one job per build key.
+
+    Raises:
+        ninja_gen.ToolchainError: nvcc missing, or too old for an arch of ``variants`` (checked once,
+            before anything is written).
+    """
+    ninja_gen.check_nvcc([a for v in variants for a in v.archs])
     nvcc_ver = ninja_gen.nvcc_version()
     by_key: dict[str, _Job] = {}
     for v in variants:
@@ -75,10 +81,22 @@ def generate(variants: list[Variant]) -> list[_Job]:
         src = codegen.render_variant(v)
         h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), nvcc_ver)
         o = ninja_gen.variant_outputs(v)
+        _record_outputs(v, o)
         codegen.write_if_changed(o["source"], src)
         codegen.write_if_changed(o["ninja"], ninja_gen.variant_ninja(v, h))
         by_key[v.build_key] = _Job([v], src, h, o)
     return list(by_key.values())
+
+
+def _record_outputs(v: Variant, o: dict) -> None:
+    """Record in the manifests (:mod:`mlagen.owned`) every file a variant's build writes, so that
+    `mlagen clean` removes exactly these."""
+    owned.ensure_dir(o["dir"])
+    for k in ("source", "ninja", "so", "log"):
+        owned.record(o[k])
+    owned.record(Path(str(o["so"]) + ".d"))  # nvcc -MF depfile
+    owned.ensure_dir(o["keep"])
+    owned.record_glob(o["keep"], f"{v.build_key}.*")  # nvcc -keep intermediates
 
 
 def check_build(v: Variant, outputs: dict) -> tuple[dict, str | None]:
@@ -139,13 +157,42 @@ def _split_registered(reg: Registry, jobs: list[_Job]) -> tuple[list[BuiltVarian
     return built, todo
 
 
+@dataclasses.dataclass
+class Progress:
+    """Build progress for a display; the totals are known before the first compile starts."""
+
+    modules_total: int
+    variants_total: int
+    modules_done: int = 0
+    variants_done: int = 0
+    cached: int = 0  # variants reused from the registry (included in variants_done)
+    last: str = ""  # build key of the module that finished last
+
+
+class BuildInterrupted(KeyboardInterrupt):
+    """The build stopped on SIGINT / SIGTERM / SIGHUP or an error; ninja and every nvcc under it were
+    stopped. ``built``: variants whose modules had finished before, now registered."""
+
+    def __init__(self, built: list[BuiltVariant], cause: BaseException | None = None):
+        super().__init__(str(cause or "interrupted"))
+        self.built = built
+        self.cause = cause
+
+
 def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
-          on_progress: Callable[[int, int, str], None] | None = None, registry: Registry | None = None) -> BuildReport:
+          on_progress: Callable[[Progress], None] | None = None, registry: Registry | None = None,
+          on_wait: Callable[[str, Path], None] | None = None) -> BuildReport:
     """Generate and compile every feasible variant of ``spec`` matching ``kernels`` (uri glob).
 
     Variants differing only in nsplit share one compiled module. Already-registered variants
     with the same source hash are reused. Failed variants leave nothing registered and carry the
-    compiler's output in the report.
+    compiler's output in the report. ``on_progress`` gets a :class:`Progress` before compiling and
+    after each module; ``on_wait(build_key, lock_path)`` is called when another process holds the
+    lock of a module (its build is then awaited).
+
+    Raises:
+        BuildInterrupted: SIGINT / SIGTERM / SIGHUP or an error during the compile (ninja and nvcc
+            are stopped; modules finished before it are registered).
     """
     t0 = time.perf_counter()
     reg = registry or Registry()
@@ -154,15 +201,32 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     all_jobs = generate(feasible)
     failed: list[tuple[Variant, str]] = []
     built, todo = _split_registered(reg, all_jobs)
+    prog = Progress(len(all_jobs), len(feasible), modules_done=len(all_jobs) - len(todo), variants_done=len(built),
+                    cached=len(built))
+    if on_progress:
+        on_progress(prog)
     if todo:
-        paths.lock_dir().mkdir(parents=True, exist_ok=True)
-        with ExitStack() as stack:
+        with ninja_gen.sigterm_as_interrupt(), ExitStack() as stack:
             for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
-                stack.enter_context(FileLock(str(paths.lock_dir() / f"{j.key}.lock")))
+                lock_path = owned.record(paths.lock_dir() / f"{j.key}.lock")
+                lock = FileLock(str(lock_path))
+                try:
+                    lock.acquire(timeout=0)
+                except Timeout:
+                    if on_wait:
+                        on_wait(j.key, lock_path)
+                    lock.acquire()
+                stack.callback(lock.release)
             hits, still = _split_registered(reg, todo)  # second check: another process may have built it
             built += hits
+            if hits:
+                prog.modules_done += len(todo) - len(still)
+                prog.variants_done += len(hits)
+                prog.cached += len(hits)
+                if on_progress:
+                    on_progress(prog)
             if still:
-                b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), on_progress, reg)
+                b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), prog, on_progress, reg)
                 built += b2
                 failed += f2
     order = {v.uri: i for i, v in enumerate(feasible)}
@@ -170,22 +234,35 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     return BuildReport(built, failed, infeasible, time.perf_counter() - t0)
 
 
-def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, on_progress, reg: Registry):
+def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_progress, reg: Registry):
     tag = hashlib.sha256("\n".join(sorted(j.key for j in jobs_)).encode()).hexdigest()[:12]
     top = paths.generated_dir() / f"build_{spec.name}_{tag}.ninja"  # per target set: concurrent builds don't collide
+    for name in (top.name, ".ninja_log", ".ninja_deps"):  # ninja keeps its log next to the top file
+        owned.record(top.parent / name)
     codegen.write_if_changed(top, ninja_gen.top_ninja([j.variants[0] for j in jobs_]))
     targets = [str(j.outputs["so"]) for j in jobs_]
-    total = len(targets)
-    done = [0]
+    by_key = {j.key: j for j in jobs_}
 
     def on_line(line: str):
-        if line.startswith("[") and "nvcc " in line:
-            done[0] += 1
+        if line.startswith("[") and "] nvcc " in line:  # ninja's status line of a finished module
+            key = line.split("] nvcc ", 1)[1].strip()
+            prog.modules_done += 1
+            prog.variants_done += len(by_key[key].variants) if key in by_key else 1
+            prog.last = key
             if on_progress:
-                on_progress(done[0], total, line.split("nvcc ", 1)[1].strip())
+                on_progress(prog)
 
     t0 = time.perf_counter()
-    rc, output = ninja_gen.run_ninja(top, targets, n_jobs, on_line)
+    try:
+        rc, output = ninja_gen.run_ninja(top, targets, n_jobs, on_line)
+    except BaseException as e:  # interrupt or error: ninja and nvcc are stopped; keep what finished
+        secs = (time.perf_counter() - t0) * min(n_jobs, len(jobs_)) / len(jobs_)
+        done = []
+        for j in jobs_:
+            if Path(j.outputs["so"]).exists() and ninja_gen.target_up_to_date(top, str(j.outputs["so"])):
+                ok, _ = _register(spec, j, secs, reg)
+                done += ok
+        raise BuildInterrupted(done, e) from e
     wall = time.perf_counter() - t0
     secs = wall * min(n_jobs, len(jobs_)) / len(jobs_)  # per-module share of the parallel build
     built, failed = [], []
@@ -197,22 +274,31 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, on_progress, reg: Regis
             text = log.read_text() if log.exists() else output
             failed += [(v, _error_excerpt(text)) for v in j.variants]
             continue
-        resources, reason = check_build(j.variants[0], j.outputs)
-        if reason:
-            failed += [(v, reason) for v in j.variants]
-            continue
-        dest = _installed_so(j.key, j.source_hash)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        shutil.copyfile(so, tmp)
-        os.replace(tmp, dest)
-        reg.drop_stale_build(j.key, j.source_hash)  # nsplit siblings built from older sources
-        for v in j.variants:
-            reg.put_variant(uri=v.uri, spec=spec.name, variant=v.to_dict(), bucket=v.bucket,
-                            source_hash=j.source_hash, nvcc_version=ninja_gen.nvcc_version(), archs=list(v.archs),
-                            so_path=str(dest), build_seconds=secs, resources=resources)
-            built.append(BuiltVariant(v, dest, j.source_hash, secs, resources, cached=False))
+        b, f = _register(spec, j, secs, reg)
+        built += b
+        failed += f
     return built, failed
+
+
+def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
+    """Check a compiled module, install its .so atomically and register its variants.
+    Returns (built, failed)."""
+    resources, reason = check_build(j.variants[0], j.outputs)
+    if reason:
+        return [], [(v, reason) for v in j.variants]
+    dest = owned.record(_installed_so(j.key, j.source_hash))
+    owned.record_glob(dest.parent, f"*{ninja_gen.ext_suffix()}.tmp*")  # left by an interrupted copy
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.copyfile(j.outputs["so"], tmp)
+    os.replace(tmp, dest)
+    reg.drop_stale_build(j.key, j.source_hash)  # nsplit siblings built from older sources
+    built = []
+    for v in j.variants:
+        reg.put_variant(uri=v.uri, spec=spec.name, variant=v.to_dict(), bucket=v.bucket,
+                        source_hash=j.source_hash, nvcc_version=ninja_gen.nvcc_version(), archs=list(v.archs),
+                        so_path=str(dest), build_seconds=secs, resources=resources)
+        built.append(BuiltVariant(v, dest, j.source_hash, secs, resources, cached=False))
+    return built, []
 
 
 def _error_excerpt(text: str, limit: int = 40) -> str:

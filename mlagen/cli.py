@@ -5,8 +5,9 @@ User errors raise click.ClickException: one line, no traceback, exit code 1.
 
 from __future__ import annotations
 
-import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import click
@@ -14,22 +15,97 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mlagen import __version__, feasibility, paths
-from mlagen.spec import Spec, SpecError, filter_by_glob, load_spec, uri_globs
+from mlagen import __version__, feasibility, owned, paths
+from mlagen.spec import MAX_VARIANTS, Spec, SpecError, filter_by_glob, load_spec, short_repr, uri_globs
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
-def _spec(path: str) -> Spec:
+def _spec(path: str, max_variants: int | None = None) -> Spec:
+    """The validated spec at ``path``; its sweep may hold at most ``max_variants`` variants."""
     try:
-        return load_spec(path)
+        spec = load_spec(path)
+        spec.check_size(max_variants)
+        return spec
     except SpecError as e:
         raise click.ClickException(str(e)) from None
+
+
+_max_variants_option = click.option(
+    "--max-variants", type=click.IntRange(min=1), metavar="N",
+    help=f"Allow a sweep of up to N variants (default {MAX_VARIANTS}; a larger sweep is refused, naming its size).")
 
 
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
+
+
+class _BuildProgress:
+    """Compile progress of `mlagen build`. In a terminal: a bar over variants, the totals set before
+    the first nvcc starts. Otherwise (CI, a pipe): plain lines: one before compiling, one when a
+    module finishes (at most one per ``interval`` seconds, the last always), and a "still compiling"
+    line after ``interval`` seconds without one. Both say when the build waits for another's lock."""
+
+    interval = 15.0
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+        self.t0 = time.monotonic()
+        self.last_line = self.t0
+        self.state = None  # the latest mlagen.build.Progress
+        self.plain = not console.is_terminal
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.bar = None if self.plain else _progress()
+        self.task = None
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        else:
+            threading.Thread(target=self._heartbeat, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+    def _print(self, text: str) -> None:
+        with self._lock:
+            console.print(text, soft_wrap=True, markup=False)
+            self.last_line = time.monotonic()
+
+    def _counts(self, p) -> str:
+        return (f"{p.modules_done}/{p.modules_total} modules ({p.variants_done}/{p.variants_total} variants), "
+                f"{time.monotonic() - self.t0:.0f} s")
+
+    def update(self, p) -> None:
+        first = self.state is None
+        self.state = p
+        if first:
+            todo = p.modules_total - p.modules_done
+            if todo:
+                self._print(f"compiling {todo} module(s) ({p.variants_total - p.variants_done} variants; "
+                            f"{p.cached} cached) with {self.jobs} parallel job(s)")
+        if self.bar is not None:
+            if self.task is None:
+                self.task = self.bar.add_task("", total=p.variants_total)
+            self.bar.update(self.task, completed=p.variants_done, total=p.variants_total,
+                            description=f"compiling: {p.modules_done}/{p.modules_total} modules, variants")
+        elif not first and (p.modules_done == p.modules_total or time.monotonic() - self.last_line >= self.interval):
+            self._print(f"compiled {self._counts(p)}" + (f"; last {p.last}" if p.last else ""))
+
+    def waiting(self, key: str, lock: Path) -> None:
+        self._print(f"waiting for another build of {key} (lock {lock})")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(min(1.0, self.interval / 4)):
+            p = self.state
+            if p is not None and p.modules_done < p.modules_total and time.monotonic() - self.last_line >= self.interval:
+                self._print(f"still compiling: {self._counts(p)}")
 
 
 def _gpu_available() -> tuple[bool, str]:
@@ -60,13 +136,18 @@ def _print_infeasible(infeasible) -> None:
 
 
 class _Group(click.Group):
-    """Maps environment failures (unreadable cache, corrupt registry) to one-line errors."""
+    """Maps environment failures (missing or old toolchain, unreadable cache, corrupt registry) to
+    one-line errors, for every subcommand."""
 
     def invoke(self, ctx):
         import sqlite3
 
+        from mlagen.ninja_gen import ToolchainError
+
         try:
             return super().invoke(ctx)
+        except ToolchainError as e:
+            raise click.ClickException(str(e)) from None
         except (OSError, sqlite3.DatabaseError) as e:
             raise click.ClickException(f"{type(e).__name__}: {e} (check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR)") from None
 
@@ -92,14 +173,15 @@ def main() -> None:
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @_kernels_option
-def generate(spec_path: str, kernels: str | None) -> None:
+@_max_variants_option
+def generate(spec_path: str, kernels: str | None, max_variants: int | None) -> None:
     """Validate SPEC and render the sources of its feasible variants (no compile)."""
     from mlagen.build import generate as gen
 
-    spec = _spec(spec_path)
+    spec = _spec(spec_path, max_variants)
     selected = filter_by_glob(spec.variants(), kernels)
     if not selected:
-        raise click.ClickException(f"no variant of {spec.name} matches --kernels {kernels!r}")
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
     ok, bad = feasibility.split_feasible(selected)
     _print_infeasible(bad)
     if not ok:
@@ -116,28 +198,36 @@ def generate(spec_path: str, kernels: str | None) -> None:
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Parallel nvcc jobs (default: MAX_JOBS or CPU count).")
 @click.option("--compile-only", is_flag=True, help="Stop after compiling, even on a GPU machine.")
 @click.option("--quick", is_flag=True, help="Verify without the 128k-token and >4 GiB cases.")
-def build(spec_path: str, kernels: str | None, jobs: int | None, compile_only: bool, quick: bool) -> None:
+@_max_variants_option
+@click.pass_context
+def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | None, compile_only: bool, quick: bool,
+          max_variants: int | None) -> None:
     """Generate and compile every variant of SPEC; on a GPU also verify and benchmark them."""
     from mlagen import build as b
+    from mlagen.ninja_gen import default_jobs
 
-    spec = _spec(spec_path)
+    spec = _spec(spec_path, max_variants)
     if not filter_by_glob(spec.variants(), kernels):
-        raise click.ClickException(f"no variant of {spec.name} matches --kernels {kernels!r}")
-    with _progress() as prog:
-        task = prog.add_task("compiling", total=None)
-
-        def on_progress(done, total, name):
-            prog.update(task, completed=done, total=total, description=f"nvcc {name[:60]}")
-
-        try:
-            rep = b.build(spec, kernels=kernels, jobs=jobs, on_progress=on_progress)
-        except b.ninja_gen.ToolchainError as e:
-            raise click.ClickException(str(e)) from None
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
+    jobs = jobs or default_jobs()
+    try:
+        with _BuildProgress(jobs) as prog:
+            rep = b.build(spec, kernels=kernels, jobs=jobs, on_progress=prog.update, on_wait=prog.waiting)
+    except b.BuildInterrupted as e:
+        n = len(e.built)
+        kept = f"{n} variant(s) compiled before that are registered (a re-run reuses them)"
+        if isinstance(e.cause, KeyboardInterrupt) or e.cause is None:
+            sig = str(e.cause) if str(e.cause) in ("SIGTERM", "SIGHUP") else "SIGINT"
+            console.print(f"interrupted ({sig}): stopped ninja and nvcc; {kept}")
+            ctx.exit(128 + {"SIGINT": 2, "SIGHUP": 1, "SIGTERM": 15}[sig])
+        raise click.ClickException(f"build stopped by {type(e.cause).__name__}: {short_repr(str(e.cause))}; "
+                                   f"stopped ninja and nvcc; {kept}") from None
     _print_infeasible(rep.infeasible)
     if not rep.built and not rep.failed:
         raise click.ClickException(f"no feasible variant in {spec_path} ({len(rep.infeasible)} dropped, reasons above)")
     cached = sum(x.cached for x in rep.built)
-    console.print(f"built {len(rep.built)} variants ({cached} cached) in {rep.seconds:.1f} s; "
+    modules = len({x.variant.build_key for x in rep.built})
+    console.print(f"built {len(rep.built)} variants ({cached} cached) from {modules} modules in {rep.seconds:.1f} s; "
                   f"{len(rep.failed)} failed; {len(rep.infeasible)} dropped")
     for v, msg in rep.failed:
         console.print(f"[red]FAILED[/] {v.uri}\n{msg}")
@@ -251,12 +341,12 @@ def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
         console.print(f"wrote {plot}")
 
 
-def _uris_for(spec_path: str | None, kernels: str | None) -> list[str]:
+def _uris_for(spec_path: str | None, kernels: str | None, max_variants: int | None = None) -> list[str]:
     from mlagen.registry import Registry
 
     reg = Registry()
     if spec_path:
-        spec = _spec(spec_path)
+        spec = _spec(spec_path, max_variants)
         uris = [v.uri for v in filter_by_glob(spec.variants(), kernels) if reg.get_variant(v.uri)]
     else:
         uris = [r["uri"] for r in reg.variants(kernels)]
@@ -269,12 +359,13 @@ def _uris_for(spec_path: str | None, kernels: str | None) -> list[str]:
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
 @_kernels_option
 @click.option("--quick", is_flag=True, help="Skip the 128k-token and >4 GiB cases.")
-def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
+@_max_variants_option
+def verify(spec_path: str | None, kernels: str | None, quick: bool, max_variants: int | None) -> None:
     """Run built variants against the reference on the GPU; exits non-zero on any failure."""
     ok, why = _gpu_available()
     if not ok:
         raise click.ClickException(f"verify needs a GPU: {why}")
-    failures = _verify(_uris_for(spec_path, kernels), quick)
+    failures = _verify(_uris_for(spec_path, kernels, max_variants), quick)
     if failures:
         raise click.ClickException(f"{failures} variant(s) failed verification")
 
@@ -282,54 +373,89 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool) -> None:
 @main.command()
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
 @_kernels_option
-@click.option("--contexts", help="Comma-separated context lengths (default 4096,16384,65536).")
-@click.option("--batches", help="Comma-separated batch sizes (default 1,4).")
+@click.option("--contexts", callback=lambda _c, _p, v: _ints(v), metavar="N,N,...",
+              help="Comma-separated context lengths (default 4096,16384,65536).")
+@click.option("--batches", callback=lambda _c, _p, v: _ints(v), metavar="N,N,...",
+              help="Comma-separated batch sizes (default 1,4).")
 @click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG.")
-def bench(spec_path: str | None, kernels: str | None, contexts: str | None, batches: str | None,
-          plot: str | None) -> None:
+@_max_variants_option
+def bench(spec_path: str | None, kernels: str | None, contexts: list[int] | None, batches: list[int] | None,
+          plot: str | None, max_variants: int | None) -> None:
     """Time verified variants (CUDA graph replay, median) and name the fastest per shape."""
-    ok, why = _gpu_available()
+    ok, why = _gpu_available()  # after click has validated every option (--contexts, --batches)
     if not ok:
         raise click.ClickException(f"bench needs a GPU: {why}")
-    _bench(_uris_for(spec_path, kernels), _ints(contexts, "--contexts"), _ints(batches, "--batches"), plot)
+    _bench(_uris_for(spec_path, kernels, max_variants), contexts, batches, plot)
 
 
-def _ints(text: str | None, opt: str):
+def _ints(text: str | None) -> list[int] | None:
+    """Option callback: comma-separated positive integers (None when not given)."""
     if not text:
         return None
     try:
         vals = [int(x) for x in text.split(",")]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated positive integers, got {text!r}", param_hint=opt) from None
+        vals = [0]
     if any(x <= 0 for x in vals):
-        raise click.BadParameter(f"expected comma-separated positive integers, got {text!r}", param_hint=opt)
+        raise click.BadParameter(f"expected comma-separated positive integers, got {short_repr(text)}")
     return vals
 
 
 @main.command(name="list")
 @_kernels_option
-def list_(kernels: str | None) -> None:
-    """Table of built variants: per-arch registers / smem / spills, verify status, best time."""
+@click.option("--format", "fmt", type=click.Choice(["auto", "table", "lines", "tsv"]), default="auto", show_default=True,
+              help="table: one row per variant; lines: the uri on a line of its own, its details below; tsv: "
+                   "tab-separated, for scripts; auto: table when it fits the width with whole uris, else lines. "
+                   "Uris are never shortened.")
+def list_(kernels: str | None, fmt: str) -> None:
+    """Built variants: per-arch registers / smem / spills, verify status, best time."""
     from mlagen.registry import Registry
 
     reg = Registry()
-    rows = reg.variants(kernels)
-    table = Table("variant", "archs: regs / smem B / spill B", "verify", "best µs", title=f"{len(rows)} variants")
-    for r in rows:
+    rows = []
+    for r in reg.variants(kernels):
         res = r["resources"]
         per_arch = "  ".join(f"{a}: {res[a]['registers']} / {res[a]['smem']} / {res[a]['spill_stores']}"
                              for a in r["archs"] if a in res)
         ver = reg.last_verification(r["uri"], r["source_hash"])
         vs = "-" if ver is None else (f"pass ({ver['arch']})" if ver["passed"] else f"FAIL ({ver['arch']})")
         best = reg.best_time(r["uri"])
-        table.add_row(r["uri"], per_arch, vs, "-" if best is None else f"{best:.1f}")
-    console.print(table)
+        rows.append((r["uri"], per_arch, vs, "-" if best is None else f"{best:.1f}"))
+    head = ("variant", "archs: regs / smem B / spill B", "verify", "best µs")
+    if fmt == "tsv":
+        for row in [head, *rows]:
+            click.echo("\t".join(row))
+        return
+    uri_w = max([len(r[0]) for r in rows] + [len(head[0])])
+    table = Table(title=f"{len(rows)} variants")
+    table.add_column(head[0], no_wrap=True, min_width=uri_w)
+    for h in head[1:]:
+        table.add_column(h, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    need = console.measure(table).minimum
+    if fmt == "table" or (fmt == "auto" and need <= console.width):
+        console.print(table, width=max(console.width, need), crop=False)
+        return
+    console.print(f"{len(rows)} variants (registers / smem B / spill B per arch; verify; best µs)")
+    for uri, per_arch, vs, best in rows:
+        console.print(uri, soft_wrap=True, markup=False, highlight=False)
+        console.print(f"    {per_arch}   verify {vs}   best {best} µs", soft_wrap=True, markup=False)
+
+
+def _iso(ts) -> str | None:
+    """A registry time (epoch seconds) as local ISO 8601 with its UTC offset."""
+    import datetime
+
+    if ts is None:
+        return None
+    return datetime.datetime.fromtimestamp(float(ts), datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
 @main.command()
 @click.argument("uri")
 def show(uri: str) -> None:
-    """Everything recorded about one variant."""
+    """Everything recorded about one variant (times in ISO 8601)."""
     import json
 
     from mlagen.registry import Registry
@@ -337,38 +463,62 @@ def show(uri: str) -> None:
     reg = Registry()
     row = reg.get_variant(uri)
     if row is None:
-        raise click.ClickException(f"unknown variant {uri!r}; see `mlagen list`")
-    console.print_json(json.dumps(dict(row, verification=reg.last_verification(uri, row["source_hash"]),
-                                       benchmarks=reg.benchmarks(uri)), default=str))
+        raise click.ClickException(f"unknown variant {short_repr(uri)}; see `mlagen list`")
+    ver = reg.last_verification(uri, row["source_hash"])
+    if ver is not None:
+        ver = dict(ver, at=_iso(ver["at"]))
+    benches = [dict(b, at=_iso(b["at"])) for b in reg.benchmarks(uri)]
+    console.print_json(json.dumps(dict(row, built_at=_iso(row["built_at"]), verification=ver, benchmarks=benches),
+                                  default=str))
+
+
+def _clean_summary(planned: list[Path]) -> list[str]:
+    """What a clean plan deletes, one line per kind."""
+    from mlagen.sglang_plugin.installed import installed_path
+
+    gen, lib, locks = paths.generated_dir(), paths.so_dir(), paths.lock_dir()
+    files = [p for p in planned if not p.is_dir() and p.name != owned.MANIFEST]
+    kinds: dict[str, list[Path]] = {}
+    for p in files:
+        if p == paths.registry_path():
+            k = f"the registry {p} (every build, verification and benchmark record)"
+        elif p == installed_path():
+            k = f"the installed state {p} (un-installs SGLang's `mlagen` backend)"
+        elif p.parent == lib:
+            k = f"built modules (.so) in {lib}"
+        elif p.parent == locks:
+            k = f"build lock files in {locks}"
+        elif gen == p.parent or gen in p.parents:
+            k = f"generated sources, build files, nvcc logs and intermediates in {gen}"
+        else:
+            k = f"other files mlagen wrote in {p.parent}"
+        kinds.setdefault(k, []).append(p)
+    return [f"{len(v)} file(s): {k}" if len(v) > 1 else k for k, v in kinds.items()]
 
 
 @main.command()
 @click.option("--all", "all_", is_flag=True,
-              help="Also delete the cache: registry, built .so files and the installed state (uninstalls SGLang's backend).")
-@click.confirmation_option("--yes", prompt="Delete generated sources?")
-def clean(all_: bool) -> None:
-    """Delete generated sources (and with --all the registry and built modules)."""
-    removed = _remove_own(paths.generated_dir(), ["mla_verify_*", "build_*.ninja", ".ninja_log", ".ninja_deps"])
-    if all_:
-        removed += _remove_own(paths.cache_dir(), ["registry.sqlite", "lib", "locks", "installed.json", "generated"])
-    console.print(f"removed {removed} item(s)" if removed else "nothing to remove")
-
-
-def _remove_own(root: Path, patterns: list[str]) -> int:
-    """Delete only mlagen's own entries (by name pattern) directly under ``root``; never ``root`` itself."""
-    root = Path(root)
-    if not root.is_dir():
-        return 0
-    n = 0
-    for pat in patterns:
-        for p in root.glob(pat):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-            console.print(f"removed {p}")
-            n += 1
-    return n
+              help="Also delete, in the cache: the registry, built .so files, lock files and the installed state "
+                   "(which un-installs SGLang's backend).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clean(all_: bool, yes: bool) -> None:
+    """Delete the generated sources mlagen wrote (with --all also its cache). Only files mlagen recorded
+    as its own are deleted; anything else in those directories stays, whatever its name."""
+    roots = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
+    planned = list(dict.fromkeys(p for r in roots for p in owned.plan(r)))
+    lines = _clean_summary(planned)
+    if not planned:
+        console.print("nothing to remove (no files mlagen recorded under " + " or ".join(map(str, roots)) + ")")
+        return
+    if not yes:
+        click.confirm("This deletes:\n" + "".join(f"  - {l}\n" for l in lines) + "Delete?", abort=True)
+    removed = owned.remove(planned)
+    files = [p for p in removed if p.name != owned.MANIFEST]
+    for l in lines:
+        console.print(f"removed {l}", soft_wrap=True, markup=False)
+    kept = [p for p in planned if p.exists()]
+    console.print(f"removed {len(files)} item(s)" + (f"; kept {len(kept)} director(ies) holding files mlagen did not write"
+                                                     if kept else ""))
 
 
 def _server_arch(arch: str | None) -> str:
@@ -384,7 +534,8 @@ def _server_arch(arch: str | None) -> str:
 @click.argument("spec_path", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
 @click.option("--uri", "uris", multiple=True, help="Install this variant instead of picking (repeatable).")
 @click.option("--arch", type=click.Choice(["sm_120", "sm_90"]), help="Server GPU arch (default: this machine's GPU).")
-def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> None:
+@_max_variants_option
+def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_variants: int | None) -> None:
     """Install the fastest verified variant of each shape bucket of SPEC (or the --uri variants) as SGLang's `mlagen` backend."""
     from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
     from mlagen.registry import Registry
@@ -398,7 +549,7 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
         raise click.ClickException("give a SPEC or --uri, not both")
     try:
         entries = ([entry_for(reg, u, arch) for u in dict.fromkeys(uris)] if uris
-                   else pick_fastest(reg, _spec(spec_path), arch))
+                   else pick_fastest(reg, _spec(spec_path, max_variants), arch))
     except InstallError as e:
         raise click.ClickException(str(e)) from None
     buckets = [e["bucket"] for e in entries]
@@ -413,6 +564,7 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None) -> N
         path = write_installed(merge_state(old, entries, arch))
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
+    owned.record(path)  # `mlagen clean --all` removes it
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")

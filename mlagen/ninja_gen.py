@@ -5,11 +5,15 @@ and one top-level file that includes many variants so ninja builds them in paral
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sysconfig
+import threading
 from pathlib import Path
 
 from mlagen import paths
@@ -21,9 +25,13 @@ class ToolchainError(RuntimeError):
     """nvcc or ninja is missing or unusable."""
 
 
+# Oldest CUDA toolkit (nvcc release) that compiles mlagen for each arch.
+MIN_NVCC = {"sm_120": (13, 0), "sm_90": (12, 0)}
+
+
 def nvcc_path() -> str:
     """nvcc from $CUDA_HOME/bin, else PATH. Raises ToolchainError when absent."""
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cuda_home = paths.env("CUDA_HOME") or paths.env("CUDA_PATH")
     if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
         return str(Path(cuda_home) / "bin" / "nvcc")
     found = shutil.which("nvcc")
@@ -49,10 +57,43 @@ def ninja_path() -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _nvcc_version_text(nvcc: str) -> str:
+    try:
+        r = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ToolchainError(f"{nvcc} --version failed: {e}") from None
+    if r.returncode != 0 or not r.stdout.strip():
+        raise ToolchainError(f"{nvcc} --version failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[:200]}")
+    return r.stdout.strip()
+
+
 def nvcc_version() -> str:
     """The release line of ``nvcc --version`` (e.g. 'Build cuda_13.0.r13.0/compiler.36424714_0')."""
-    out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True, check=True).stdout
-    return out.strip().splitlines()[-1]
+    return _nvcc_version_text(nvcc_path()).splitlines()[-1]
+
+
+def nvcc_release() -> tuple[int, int]:
+    """(major, minor) of the CUDA release nvcc reports ('release 13.0' -> (13, 0))."""
+    text = _nvcc_version_text(nvcc_path())
+    m = re.search(r"release (\d+)\.(\d+)", text)
+    if not m:
+        raise ToolchainError(f"cannot read the CUDA release from `{nvcc_path()} --version`: {text.splitlines()[-1][:200]!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_nvcc(archs) -> None:
+    """One up-front check that nvcc exists and is new enough for every arch in ``archs``.
+
+    Raises:
+        ToolchainError: nvcc missing, unusable, or older than :data:`MIN_NVCC` for an arch.
+    """
+    rel = nvcc_release()
+    old = [a for a in dict.fromkeys(archs) if rel < MIN_NVCC.get(a, (0, 0))]
+    if old:
+        need = max(MIN_NVCC[a] for a in old)
+        raise ToolchainError(
+            f"nvcc {rel[0]}.{rel[1]} ({nvcc_path()}) is too old for {', '.join(old)}: mlagen needs CUDA "
+            f"{need[0]}.{need[1]} or newer; install it and put its bin/ on PATH or set CUDA_HOME")
 
 
 def python_includes() -> list[str]:
@@ -117,7 +158,7 @@ def top_ninja(variants: list[Variant]) -> str:
 
 def default_jobs() -> int:
     """MAX_JOBS from the environment, else the CPU count."""
-    env = os.environ.get("MAX_JOBS")
+    env = paths.env("MAX_JOBS")
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ToolchainError(f"MAX_JOBS must be a positive integer, got {env!r}")
@@ -125,22 +166,87 @@ def default_jobs() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM and SIGHUP raise KeyboardInterrupt like SIGINT does, so every
+    ``finally`` / ``except BaseException`` that stops the compile tree runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    sigs = [signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of the live processes in session ``sid`` (Linux /proc; empty elsewhere)."""
+    pids = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(d.name))
+    return pids
+
+
+def stop_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop ninja and every compiler under it. ninja was started as a session leader; SIGTERM lets it
+    stop its commands (each in a process group of its own) and delete their partial outputs; whatever
+    of the session is still alive after ``grace`` seconds is killed."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in _session_members(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> tuple[int, str]:
     """Run ninja on ``targets`` with -k 0 (keep going). Streams stdout lines to ``on_line``.
+
+    ninja runs in a session of its own; an interrupt (SIGINT, SIGTERM, SIGHUP) or an error in this
+    process stops it and every nvcc under it (:func:`stop_tree`) before the exception propagates.
 
     Returns (exit code, full output).
     """
     cmd = [ninja_path(), "-f", str(build_file), "-j", str(jobs), "-k", "0", *targets]
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(build_file.parent))
     out = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        out.append(line)
-        if on_line:
-            on_line(line)
-    return proc.wait(), "".join(out)
+    with sigterm_as_interrupt():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=str(build_file.parent), start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.append(line)
+                if on_line:
+                    on_line(line)
+            rc = proc.wait()
+        except BaseException:
+            stop_tree(proc)
+            raise
+        finally:
+            if proc.stdout:
+                proc.stdout.close()
+    return rc, "".join(out)
 
 
 def target_up_to_date(build_file: Path, target: str) -> bool:

@@ -3,6 +3,9 @@
 - ``MLAGEN_CACHE_DIR`` (default ``~/.cache/mlagen``): registry.sqlite, built .so files, locks.
 - ``MLAGEN_GENERATED_DIR`` (default ``<repo>/generated`` when running from a checkout, else
   ``<cache>/generated``): rendered sources and build.ninja files.
+
+A variable that is set but empty counts as unset (``MLAGEN_CACHE_DIR=`` is the default cache, never
+the current directory).
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ TEMPLATE_DIR = REPO_DIR / "templates"
 INCLUDE_DIR = REPO_DIR / "include"
 
 
+def env(name: str) -> str | None:
+    """The environment variable ``name``, or None when it is unset or empty (whitespace only)."""
+    value = os.environ.get(name)
+    return value if value and value.strip() else None
+
+
 def cache_dir() -> Path:
     """Root of mlagen's cache (env ``MLAGEN_CACHE_DIR``)."""
-    return Path(os.environ.get("MLAGEN_CACHE_DIR", Path.home() / ".cache" / "mlagen")).expanduser()
+    return Path(env("MLAGEN_CACHE_DIR") or Path.home() / ".cache" / "mlagen").expanduser()
 
 
 def generated_dir() -> Path:
     """Where rendered sources and per-variant build.ninja files go (env ``MLAGEN_GENERATED_DIR``)."""
-    env = os.environ.get("MLAGEN_GENERATED_DIR")
-    if env:
-        return Path(env).expanduser()
+    env_dir = env("MLAGEN_GENERATED_DIR")
+    if env_dir:
+        return Path(env_dir).expanduser()
     if (REPO_DIR / "pyproject.toml").exists():
         return REPO_DIR / "generated"
     return cache_dir() / "generated"

@@ -38,8 +38,10 @@ class Registry:
     """Thin wrapper over one sqlite3 database file; safe across processes (sqlite's own locking)."""
 
     def __init__(self, path: str | Path | None = None):
+        from mlagen import owned
+
         self.path = Path(path) if path else paths.registry_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owned.record(self.path)  # `mlagen clean --all` deletes it (and only files recorded so)
         with self._conn() as c:
             c.executescript(_SCHEMA)
 

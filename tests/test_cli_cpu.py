@@ -50,9 +50,16 @@ def test_registry_variants_take_comma_separated_globs(cache_env):
     assert len(reg.variants()) == 6
 
 
-def test_bench_bad_contexts(runner):
-    r = runner.invoke(main, ["bench", "--contexts", "4k"])
-    assert r.exit_code != 0
+def test_bench_bad_contexts(runner, monkeypatch):
+    """--contexts / --batches are validated before the GPU check (which would fail first on a CPU machine)."""
+    from mlagen import cli
+
+    monkeypatch.setattr(cli, "_gpu_available", lambda: pytest.fail("GPU check reached before option validation"))
+    for opt, bad in (("--contexts", "4k"), ("--batches", "1,0")):
+        r = runner.invoke(main, ["bench", opt, bad])
+        assert r.exit_code == 2, r.output
+        assert f"Invalid value for '{opt}': expected comma-separated positive integers, got '{bad}'" in r.output
+        assert "needs a GPU" not in r.output
 
 
 def test_generate_lists_and_drops(runner, tmp_path):
@@ -111,14 +118,17 @@ def test_status_with_corrupt_state(runner, cache_env):
     assert r.exit_code == 1 and "Traceback" not in r.output and "installed.json" in r.output
 
 
-def test_clean_deletes_only_mlagen_files(runner, cache_env):
+def test_clean_never_deletes_by_name(runner, cache_env):
+    """Entries named like mlagen's but not recorded by it (a user's) stay; see test_cli_robust_cpu.py
+    for a clean after a real (stand-in compiler) build."""
     gen = cache_env / "generated"
     (gen / "mla_verify_x").mkdir(parents=True)
     (gen / "build_a_1.ninja").write_text("")
     (gen / "precious.txt").write_text("keep me")
-    r = runner.invoke(main, ["clean", "--yes"])
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
     assert r.exit_code == 0, r.output
-    assert not (gen / "mla_verify_x").exists() and not (gen / "build_a_1.ninja").exists()
+    assert "nothing to remove" in r.output
+    assert (gen / "mla_verify_x").is_dir() and (gen / "build_a_1.ninja").exists()
     assert (gen / "precious.txt").read_text() == "keep me"
 
 

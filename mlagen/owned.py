@@ -1,0 +1,137 @@
+"""What mlagen wrote, so that ``mlagen clean`` deletes only that.
+
+Every directory mlagen writes into holds a manifest, ``.mlagen-manifest``: one line per entry that
+mlagen created directly in it (a file or directory name, or a glob for the outputs a tool writes under
+names mlagen does not choose, e.g. nvcc's ``-keep`` files), and the line ``.`` when mlagen created the
+directory itself. :func:`clean` deletes the listed files, descends only into listed directories that
+carry a manifest of their own, then deletes the manifest, and the directory itself only when mlagen
+created it and nothing else is left in it. Files mlagen did not record (anything a user put there)
+are never touched, whatever their name.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from pathlib import Path
+
+from mlagen import paths
+
+MANIFEST = ".mlagen-manifest"
+_CREATED = "."
+
+
+def _roots() -> list[Path]:
+    return [paths.cache_dir().resolve(), paths.generated_dir().resolve()]
+
+
+def _under_roots(d: Path) -> bool:
+    r = Path(d).resolve()
+    return any(r == root or root in r.parents for root in _roots())
+
+
+def _entries(d: Path) -> list[str]:
+    try:
+        text = (Path(d) / MANIFEST).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return list(dict.fromkeys(l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#")))
+
+
+def _append(d: Path, line: str) -> None:
+    if line in _entries(d):
+        return
+    with open(Path(d) / MANIFEST, "a") as f:  # O_APPEND: concurrent writers add whole short lines
+        f.write(line + "\n")
+
+
+def ensure_dir(d: str | os.PathLike) -> Path:
+    """``mkdir -p d``, recording every directory this creates at or below mlagen's cache / generated
+    roots (a manifest with ``.`` in it, and its name in the parent's manifest)."""
+    d = Path(d)
+    if d.is_dir():
+        return d
+    missing = []
+    p = d
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    d.mkdir(parents=True, exist_ok=True)
+    for new in reversed(missing):  # top-down
+        if not _under_roots(new):
+            continue  # above the roots (e.g. ~/.cache): create, but leave no manifest there
+        _append(new, _CREATED)
+        if _under_roots(new.parent):
+            _append(new.parent, new.name)
+    return d
+
+
+def record(path: str | os.PathLike) -> Path:
+    """Note that mlagen wrote (or is about to write) ``path`` (a file, or a directory made by
+    :func:`ensure_dir`) in its directory's manifest; a no-op outside the cache and generated roots.
+    Returns ``path``."""
+    path = Path(path)
+    ensure_dir(path.parent)
+    if _under_roots(path.parent):
+        _append(path.parent, path.name)
+    return path
+
+
+def record_glob(directory: str | os.PathLike, pattern: str) -> None:
+    """Note that a tool run by mlagen writes the files matching ``pattern`` (no '/') in ``directory``."""
+    assert "/" not in pattern
+    ensure_dir(directory)
+    if _under_roots(Path(directory)):
+        _append(Path(directory), pattern)
+
+
+def _plan(d: Path) -> tuple[list[Path], bool]:
+    """(paths mlagen wrote under ``d``, deepest first; whether ``d`` itself goes too)."""
+    if d.is_symlink() or not (d / MANIFEST).is_file():
+        return [], False
+    entries = _entries(d)
+    created = _CREATED in entries
+    out: list[Path] = []
+    gone: set[str] = {MANIFEST}
+    for name in entries:
+        if name == _CREATED or "/" in name or name in ("..", MANIFEST):
+            continue
+        for p in sorted(d.glob(name)) if _glob.has_magic(name) else [d / name]:
+            if p.is_symlink() or p.is_file():
+                out.append(p)
+                gone.add(p.name)
+            elif p.is_dir():
+                sub, sub_goes = _plan(p)
+                out += sub
+                if sub_goes:
+                    gone.add(p.name)
+    out.append(d / MANIFEST)
+    goes = created and all(c.name in gone for c in d.iterdir())
+    if goes:
+        out.append(d)
+    return out, goes
+
+
+def plan(root: str | os.PathLike) -> list[Path]:
+    """What :func:`clean` would delete under ``root`` (files first, then directories)."""
+    return _plan(Path(root))[0]
+
+
+def clean(root: str | os.PathLike) -> list[Path]:
+    """Delete what mlagen recorded under ``root`` (see the module doc). Returns what went."""
+    return remove(plan(root))
+
+
+def remove(planned: list[Path]) -> list[Path]:
+    """Delete the paths of a :func:`plan` in order (directories only when empty). Returns what went."""
+    removed = []
+    for p in planned:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()  # empty by construction; a file added meanwhile keeps it (OSError below)
+            else:
+                p.unlink()
+        except OSError:  # gone already, or a directory that is not empty (someone else's file): keep it
+            continue
+        removed.append(p)
+    return removed

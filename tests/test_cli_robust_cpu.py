@@ -1,0 +1,310 @@
+"""CLI robustness without a GPU or a real compile (issue 11): only mlagen's own files are deleted,
+interrupts stop the whole compile tree and keep finished modules, toolchain and input errors are one
+line, output reads well in a terminal, a pipe and CI.
+
+The build tests use tests/data/fake_nvcc (a stand-in nvcc that writes the files mlagen's rule expects)
+and a stand-in source, so they exercise ninja, the process handling and the registry in seconds."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mlagen import ninja_gen, owned, paths
+from mlagen.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_NVCC = Path(__file__).resolve().parent / "data" / "fake_nvcc"
+SPEC = """name: fk
+heads_per_rank: 8
+q_len: 9
+block_n: 16
+stages: 2
+load_width: 128
+page_size: [1, 64]
+row_tiles: [1, 2]
+nsplit: [32, auto]
+"""  # 8 variants in 4 modules
+DRIVER = """import sys
+from mlagen import codegen
+codegen.render_variant = lambda v, module_name=None: f"// stand-in source of {v.build_key}\\n"
+from mlagen.cli import main
+main(sys.argv[1:], prog_name="mlagen")
+"""
+
+
+@pytest.fixture
+def fake_cuda(tmp_path, monkeypatch):
+    """PATH with the stand-in nvcc first (CUDA_HOME unset), stand-in sources, fresh cache dirs."""
+    bindir = tmp_path / "cuda" / "bin"
+    bindir.mkdir(parents=True)
+    shutil.copy(FAKE_NVCC, bindir / "nvcc")
+    (bindir / "nvcc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    from mlagen import codegen
+
+    monkeypatch.setattr(codegen, "render_variant", lambda v, module_name=None: f"// stand-in source of {v.build_key}\n")
+    spec = tmp_path / "fk.yaml"
+    spec.write_text(SPEC)
+    return spec
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _procs_mentioning(text: str) -> list[str]:
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and _alive(int(d.name)) and int(d.name) != os.getpid():
+            out.append(f"{d.name}: {cmd[:200]}")
+    return out
+
+
+# ---- item 1: an empty variable means unset; clean deletes only what mlagen recorded
+
+def test_empty_env_means_unset_and_clean_keeps_unrecorded_dirs(tmp_path, monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    (work / "lib").mkdir(parents=True)
+    (work / "generated").mkdir()
+    (work / "lib" / "keep.c").write_text("x")
+    (work / "generated" / "notes.txt").write_text("y")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", "")
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "gen"))
+    monkeypatch.chdir(work)
+    assert paths.cache_dir() == home / ".cache" / "mlagen"
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", " ")
+    assert paths.generated_dir() != Path(" ") and paths.generated_dir().is_absolute()
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "gen"))
+    r = CliRunner().invoke(main, ["list"])
+    assert r.exit_code == 0, r.output
+    assert not (work / "registry.sqlite").exists() and (home / ".cache" / "mlagen" / "registry.sqlite").exists()
+    r = CliRunner().invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert (work / "lib" / "keep.c").read_text() == "x" and (work / "generated" / "notes.txt").read_text() == "y"
+
+
+def test_clean_removes_recorded_files_only(fake_cuda, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    cache, gen = tmp_path / "cache", tmp_path / "generated"
+    vdir = next(gen.glob("mla_verify_*"))
+    # files a user put next to mlagen's, some with names mlagen would use
+    mine = [gen / "mla_verify_mine" / "a.cu", gen / "build_mine.ninja", vdir / "notes.txt", cache / "lib" / "mine.so",
+            cache / "locks" / "mine.lock", cache / "generated" / "x.cu", cache / "keep.txt"]
+    for p in mine:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("user")
+    assert (cache / "registry.sqlite").exists() and list((cache / "lib").glob("mla_verify_*.so"))
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert all(p.read_text() == "user" for p in mine)
+    assert not (cache / "registry.sqlite").exists() and not list((cache / "lib").glob("mla_verify_*.so"))
+    assert not list((cache / "locks").glob("mla_verify_*.lock")) and not list(gen.glob("build_fk_*.ninja"))
+    assert sorted(p.name for p in vdir.iterdir()) == ["notes.txt"]  # its own files gone, the user's kept
+    assert sorted(p.name for p in gen.iterdir()) == sorted([vdir.name, "mla_verify_mine", "build_mine.ninja"])
+    assert not list(gen.rglob(owned.MANIFEST)) and not list(cache.rglob(owned.MANIFEST))
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
+    assert "nothing to remove" in r.output
+
+
+# ---- item 2: the prompt lists what goes
+
+def test_clean_all_prompt_lists_what_goes(fake_cuda, tmp_path):
+    from mlagen.registry import Registry
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    reg = Registry()
+    row = reg.variants()[0]
+    reg.add_verification(uri=row["uri"], source_hash=row["source_hash"], device="x", arch="sm_90", cases=1,
+                         max_err=0.0, passed=True)
+    r = runner.invoke(main, ["install", "--uri", row["uri"], "--arch", "sm_90"])
+    assert r.exit_code == 0, r.output
+    installed = tmp_path / "cache" / "installed.json"
+    r = runner.invoke(main, ["clean"], input="n\n")
+    assert r.exit_code == 1 and "generated sources" in r.output
+    assert "registry" not in r.output and "installed" not in r.output
+    r = runner.invoke(main, ["clean", "--all"], input="n\n")
+    assert r.exit_code == 1, r.output
+    for what in ("generated sources", "the registry", "built modules (.so)", "build lock files",
+                 f"the installed state {installed} (un-installs SGLang's `mlagen` backend)"):
+        assert what in r.output, (what, r.output)
+    assert installed.exists() and (tmp_path / "cache" / "registry.sqlite").exists()  # answered no
+    r = runner.invoke(main, ["clean", "--all"], input="y\n")
+    assert r.exit_code == 0 and not installed.exists()
+
+
+# ---- item 3: interrupts stop ninja and nvcc, finished modules are registered
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_compile_tree_and_keeps_finished(fake_cuda, tmp_path, sig):
+    pids = tmp_path / "pids"
+    env = dict(os.environ, FAKE_NVCC_SLOW="*ps64*", FAKE_NVCC_PIDS=str(pids))
+    cmd = [sys.executable, "-c", DRIVER, "build", str(fake_cuda), "--jobs", "4", "--compile-only"]
+    # its own session: the signal goes to the mlagen process alone, not to a process group
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (pids.exists() and len(pids.read_text().split()) >= 4):
+        time.sleep(0.1)
+    time.sleep(1.0)  # the two fast modules finish in milliseconds
+    hung = [int(p) for p in pids.read_text().split()]
+    assert all(_alive(p) for p in hung)
+    os.kill(proc.pid, sig)
+    out, _ = proc.communicate(timeout=60)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, out
+    assert f"interrupted ({name}): stopped ninja and nvcc; 4 variant(s) compiled before that are registered" in out
+    assert "Traceback" not in out and "Aborted" not in out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (any(_alive(p) for p in hung) or _procs_mentioning(str(tmp_path))):
+        time.sleep(0.1)
+    assert not [p for p in hung if _alive(p)], "nvcc / its children left running"
+    assert not _procs_mentioning(str(tmp_path)), "ninja or nvcc left running"
+    env.pop("FAKE_NVCC_SLOW")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "built 8 variants (4 cached)" in r.stdout
+
+
+def test_error_during_compile_stops_ninja(fake_cuda, tmp_path, monkeypatch):
+    """An error in mlagen itself while ninja runs (here: in the progress callback) stops the tree too."""
+    from mlagen import build as b
+    from mlagen.spec import load_spec
+
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_NVCC_SLOW", "*ps64*")
+    monkeypatch.setenv("FAKE_NVCC_PIDS", str(pids))
+
+    def on_progress(p):
+        if p.modules_done >= 2:
+            raise RuntimeError("display broke")
+
+    with pytest.raises(b.BuildInterrupted) as ei:
+        b.build(load_spec(fake_cuda), jobs=4, on_progress=on_progress)
+    assert isinstance(ei.value.cause, RuntimeError) and len(ei.value.built) == 4
+    hung = [int(p) for p in pids.read_text().split()]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in hung):
+        time.sleep(0.1)
+    assert not [p for p in hung if _alive(p)]
+
+
+# ---- items 4 and 7: toolchain problems are one line, once
+
+def _one_error_line(r) -> str:
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    errors = [l for l in r.output.splitlines() if l.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in r.output, r.output
+    return errors[0]
+
+
+@pytest.mark.parametrize("cmd", [["generate"], ["build"], ["build", "--compile-only"]])
+def test_missing_nvcc_is_one_line_for_every_compiling_subcommand(fake_cuda, tmp_path, monkeypatch, cmd):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("CUDA_HOME", "")
+    r = CliRunner().invoke(main, [cmd[0], str(fake_cuda), *cmd[1:]])
+    assert r.exit_code == 1
+    assert _one_error_line(r) == "Error: nvcc not found: install the CUDA toolkit (13.x) or set CUDA_HOME"
+
+
+@pytest.mark.parametrize("cmd", [["list"], ["show", "mla_verify_x"], ["verify"], ["bench"], ["clean", "--yes"],
+                                 ["status"], ["uninstall"], ["install", "--uri", "mla_verify_x", "--arch", "sm_90"]])
+def test_other_subcommands_without_toolchain_never_trace(fake_cuda, tmp_path, monkeypatch, cmd):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    r = CliRunner().invoke(main, cmd)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    if r.exit_code:
+        _one_error_line(r)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "build"])
+def test_old_nvcc_is_one_upfront_message(fake_cuda, monkeypatch, tmp_path, cmd):
+    monkeypatch.setenv("FAKE_NVCC_RELEASE", "12.4")
+    r = CliRunner().invoke(main, [cmd, str(fake_cuda)])
+    assert r.exit_code == 1
+    line = _one_error_line(r)
+    assert re.fullmatch(r"Error: nvcc 12\.4 \(.*/nvcc\) is too old for sm_120: mlagen needs CUDA 13\.0 or newer; "
+                        r"install it and put its bin/ on PATH or set CUDA_HOME", line), line
+    assert "Unsupported gpu architecture" not in r.output and "FAILED" not in r.output
+    assert not (tmp_path / "generated").exists()  # refused before anything was written
+    # sm_90 alone builds with CUDA 12
+    (tmp_path / "s90.yaml").write_text(SPEC + "arch: sm_90\n")
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "s90.yaml"), "--compile-only"])
+    assert r.exit_code == 0, r.output
+
+
+# ---- item 10: progress in a pipe / CI, known totals, lock waits
+
+def test_build_progress_plain_lines_when_not_a_terminal(fake_cuda, monkeypatch):
+    from mlagen import cli
+
+    monkeypatch.setattr(cli._BuildProgress, "interval", 0.3)
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "1")
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--jobs", "2", "--compile-only"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == "compiling 4 module(s) (8 variants; 0 cached) with 2 parallel job(s)"
+    assert any(l.startswith("still compiling: 0/4 modules (0/8 variants), ") for l in lines), r.output
+    assert any(l.startswith("compiled 4/4 modules (8/8 variants), ") for l in lines), r.output
+    assert "built 8 variants (0 cached) from 4 modules" in r.output
+
+
+def test_terminal_bar_has_totals_before_the_first_module(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from mlagen import cli
+    from mlagen.build import Progress
+
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), force_terminal=True, width=100))
+    with cli._BuildProgress(2) as prog:
+        prog.update(Progress(modules_total=4, variants_total=8, modules_done=1, variants_done=2, cached=2))
+        task = prog.bar.tasks[0]
+        assert task.total == 8 and task.completed == 2 and "1/4 modules" in task.description
+
+
+def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
+    from filelock import FileLock
+
+    from mlagen.spec import load_spec
+
+    key = load_spec(fake_cuda).variants()[0].build_key
+    lock_path = paths.lock_dir() / f"{key}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(1.5)",
+                               str(lock_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    holder.wait()
+    assert r.exit_code == 0, r.output
+    assert f"waiting for another build of {key} (lock {lock_path})" in r.output
+    assert FileLock(str(lock_path)).acquire(timeout=0)
