@@ -358,9 +358,11 @@ class _Batch:
         T = bs * (q_len if spec else 1)
         self.q = torch.randn(T, runner_heads(runner), 576, device="cuda").to(torch.bfloat16)
         self.k = torch.randn(T, 1, 576, device="cuda").to(torch.bfloat16)
-        self.mask = None
+        self.mask = self.qlen_mask = None
         if spec:
-            self.mask = torch.cat([_full_mask(_parents(q_len, tree, gen), int(L)) for L in lens]).cuda()
+            parents = [_parents(q_len, tree, gen) for _ in lens]
+            self.mask = torch.cat([_full_mask(p, int(L)) for p, L in zip(parents, lens)]).cuda()  # FULL_MASK
+            self.qlen_mask = torch.cat([_full_mask(p, 0) for p in parents]).cuda()  # QLEN_ONLY: [q, q] blocks
 
     def spec_info(self, custom_mask=None):
         if self.role != "verify":
@@ -371,9 +373,9 @@ class _Batch:
             spec_steps=self.q_len - 1, topk=1, draft_token_num=self.q_len, capture_hidden_mode=None,
             seq_lens_sum=int(self.seq_lens.sum()), seq_lens_cpu=None)
 
-    def forward_batch(self):
+    def forward_batch(self, custom_mask=None):
         mode = self.sgl.ForwardMode.TARGET_VERIFY if self.role == "verify" else self.sgl.ForwardMode.DECODE
-        return _fb(mode, self.bs, self.rpi, self.seq_lens, self.out_cache_loc, self.spec_info(),
+        return _fb(mode, self.bs, self.rpi, self.seq_lens, self.out_cache_loc, self.spec_info(custom_mask),
                    max_seq_len_host=int(self.seq_lens.max()))
 
 
@@ -456,12 +458,13 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
     tree = draft == "tree"
     errs = {"eager": 0.0, "replay": 0.0, "replay_vs_eager": 0.0}
 
-    # ---- eager, 1..16 requests
+    # ---- eager, 1..16 requests; mlagen reads SGLang's FULL_MASK (even bs) or its QLEN_ONLY mask (odd bs:
+    # what SGLang allocates for a batch past the verify-mask buffer, exactly bs * q * q cells)
     for bs in range(1, MAX_BS + 1):
         b = _Batch(sgl, runner, role, q_len, bs, tree, gen)
         outs = []
         for be in (ref, ours):
-            fb = b.forward_batch()
+            fb = b.forward_batch(b.qlen_mask if be is ours and bs % 2 else None)
             be.init_forward_metadata(fb)
             outs.append(_forward(be, layer, fb, b.q, b.k, role).float())
         assert ours.forward_metadata is not None, "mlagen did not take the batch"
@@ -481,6 +484,10 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
     graphs = {}
     for name, be in (("ref", ref), ("ours", ours)):
         be.init_cuda_graph_state(MAX_BS, T_max)
+    if role == "verify":  # the draft stage fills q*q cells per request, not q*(context + q)
+        vm = ours.verify_mask
+        assert vm.mode.name == "QLEN_ONLY" and vm.buffer.numel() == MAX_BS * q_len * q_len, vm
+    for name, be in (("ref", ref), ("ours", ours)):
         for bs in CAPTURE_BS:
             T = bs * per
             bufs["seq"][:bs].fill_(fill)
@@ -520,7 +527,14 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
         bufs["seq"][raw:bs].fill_(fill)
         outs = {}
         for name, be in (("ref", ref), ("ours", ours)):
-            view = _fb(mode, bs, bufs["rpi"][:bs], bufs["seq"][:bs], bufs["loc"][:T], b.spec_info(),
+            spec = b.spec_info()
+            if name == "ours" and role == "verify" and it % 2:
+                # as SGLang's draft stage does: the tree written in place into the backend's verify mask
+                vm = ours.verify_mask
+                vm.buffer.fill_(1)
+                vm.buffer[: b.qlen_mask.numel()].copy_(b.qlen_mask)
+                spec = b.spec_info(custom_mask=vm.buffer)
+            view = _fb(mode, bs, bufs["rpi"][:bs], bufs["seq"][:bs], bufs["loc"][:T], spec,
                        num_padding=bs - raw, max_seq_len_host=int(b.seq_lens.max()))
             be.init_forward_metadata_out_graph(view)
             g, out = graphs[(name, bs)]

@@ -621,3 +621,106 @@ def test_eager_dp_padded_verify_never_reads_past_the_mask(kv_write_loc, real, bs
     want = _expected(s, s.pool.kv_buffer[0], scale)
     assert (out[: real * s.q_len] - want).abs().max().item() < 2e-2
     assert out[real * s.q_len:].abs().max().item() == 0.0 if bs > real else True
+
+
+@pytest.fixture
+def verify_mask_module(monkeypatch):
+    """SGLang's verify_mask module. Without transformers (sglang installed --no-deps) its import of
+    speculative.eagle_utils fails; that module then stands in with SGLang's own TreeMaskMode and the
+    GPU platforms' default_tree_mask_mode (FULL_MASK)."""
+    pytest.importorskip("sglang")
+    name = "sglang.srt.layers.attention.verify_mask"
+    try:
+        mod, stubbed = importlib.import_module(name), False
+    except Exception:  # noqa: BLE001
+        spec_tree = pytest.importorskip("sglang.kernels.ops.speculative.spec_tree")
+        eu = types.ModuleType("sglang.srt.speculative.eagle_utils")
+        eu.TreeMaskMode = spec_tree.TreeMaskMode
+        eu.default_tree_mask_mode = lambda: spec_tree.TreeMaskMode.FULL_MASK
+        monkeypatch.setitem(sys.modules, eu.__name__, eu)
+        sys.modules.pop(name, None)
+        mod, stubbed = importlib.import_module(name), True
+    yield mod
+    if stubbed:
+        sys.modules.pop(name, None)  # imported over the stand-in: not for other tests
+
+
+def _qlen_blocks(parents_list):
+    """SGLang's QLEN_ONLY layout: per request a row-major [q, q] block (draft i sees draft j)."""
+    return torch.cat([_full_mask_from_parents(p, 0).reshape(-1) for p in parents_list])
+
+
+@pytest.mark.parametrize("mask", ["tree", "causal"])
+def test_verify_mask_asks_only_for_the_draft_blocks(verify_mask_module, kv_write_loc, mask):
+    """The backend's VerifyMask is QLEN_ONLY (q*q cells per request, SGLang's chain fast path stays on),
+    also without CUDA graphs, and is_read only for tree variants; the kernel's tree bits come from it:
+    from the buffer the draft stage fills in place (replay), and from SGLang's own exact-sized QLEN_ONLY
+    mask of a batch past the buffer (eager), DP-padded or not."""
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode  # eagle_utils re-exports it
+    gen = torch.Generator().manual_seed(31 if mask == "tree" else 32)
+    q_len, max_bs, width = 6, 4, 64
+    mr, r2t = _runner(1, width=width, rows=8)
+    be = MlagenAttnBackend(mr, verify_kernel=_Kernel(8, mask), decode_kernel=None, fallback=_Fallback(),
+                           verify_q_len=q_len)
+    vm0 = be.verify_mask  # an eager-only server (no init_cuda_graph_state)
+    assert vm0 is not None and vm0.mode == TreeMaskMode.QLEN_ONLY and not vm0.fits(1)
+    be.init_cuda_graph_state(max_bs, max_bs * q_len)
+    vm = be.verify_mask
+    assert vm.mode == TreeMaskMode.QLEN_ONLY and vm.max_bs == max_bs and vm.fits(max_bs)
+    assert vm.buffer.numel() == max_bs * q_len * q_len  # FULL_MASK: max_bs * q * (context + q)
+    assert vm.is_read == (mask == "tree")
+    if mask == "causal":
+        return
+
+    def batch(n, pad=0, custom=None):
+        parents = [_parents(q_len, gen) for _ in range(n)]
+        lens = torch.randint(1, width - q_len, (n,), generator=gen)
+        blocks = _qlen_blocks(parents)
+        fb = types.SimpleNamespace(
+            forward_mode=_Mode("verify"), batch_size=n + pad,
+            req_pool_indices=torch.randperm(8, generator=gen)[: n + pad],
+            seq_lens=torch.cat([lens, torch.ones(pad, dtype=lens.dtype)]),
+            spec_info=types.SimpleNamespace(custom_mask=blocks.to(torch.uint8) if custom is None else custom,
+                                            num_tokens_per_req=q_len))
+        want = [[sum(1 << j for j in range(q_len) if blk[i, j]) for i in range(q_len)]
+                for blk in blocks.view(n, q_len, q_len)]
+        return fb, blocks, want
+
+    # replay: the draft stage wrote the tree into the buffer in place, then the view carries the buffer
+    fb, blocks, want = batch(3, custom=vm.buffer)
+    vm.buffer.fill_(1)
+    vm.buffer[: blocks.numel()].copy_(blocks)
+    fb.num_padding = 1
+    fb.batch_size, fb.req_pool_indices = 4, torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int64)])
+    fb.seq_lens = torch.cat([fb.seq_lens, torch.ones(1, dtype=fb.seq_lens.dtype)])
+    be.init_forward_metadata_out_graph(fb)
+    assert be.forward_metadata.tree_mask.tolist() == want + [[0] * q_len]
+    # eager, a batch past the buffer: SGLang allocates exactly n*q*q cells
+    fb, _, want = batch(6)
+    be.init_forward_metadata(fb)
+    assert be.forward_metadata.tree_mask.tolist() == want
+    # eager DP-padded: the mask covers the real rows only
+    fb, _, want = batch(5, pad=2)
+    fb._original_batch_size = 5
+    be.init_forward_metadata(fb)
+    assert be.forward_metadata.tree_mask.tolist() == want + [[0] * q_len] * 2
+    assert be.forward_metadata.kv_lens[5:].tolist() == [0, 0]
+
+
+def test_pack_qlen_mask_matches_tree():
+    gen = torch.Generator().manual_seed(33)
+    parents = [_parents(9, gen) for _ in range(4)]
+    blocks = _qlen_blocks(parents)
+    for dtype in (torch.bool, torch.uint8):
+        got = md.pack_qlen_mask(torch.cat([blocks, torch.ones(20, dtype=torch.bool)]).to(dtype), 4, 9)
+        for b, p in enumerate(parents):
+            for i in range(9):
+                anc, j = set(), i
+                while j >= 0:
+                    anc.add(j)
+                    j = p[j]
+                assert int(got[b, i]) == sum(1 << j for j in anc), (b, i)
+    with pytest.raises(ValueError, match="324 needed"):
+        md.pack_qlen_mask(blocks[:-1], 4, 9)

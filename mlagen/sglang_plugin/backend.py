@@ -166,6 +166,17 @@ class MlagenAttnBackend(_Base):
             npad = bs - orig
         return npad
 
+    def _pack_tree(self, custom: torch.Tensor, seq_lens: torch.Tensor, real: int, q_len: int) -> torch.Tensor:
+        """Tree bitmasks of the ``real`` requests from the verify input's custom mask: the QLEN_ONLY
+        layout this backend asks for (its verify-mask buffer, or SGLang's own allocation of exactly
+        real * q * q cells for a batch past the buffer), else SGLang's FULL_MASK layout (q * (seq_len
+        + q) cells per request, always more)."""
+        vm = self._verify_mask
+        if ((vm is not None and vm.buffer.numel() and custom.data_ptr() == vm.buffer.data_ptr())
+                or custom.numel() == real * q_len * q_len):
+            return md.pack_qlen_mask(custom, real, q_len)
+        return md.pack_full_mask(custom, seq_lens, q_len)
+
     def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False) -> MlagenMetadata:
         kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
         spec_info = getattr(forward_batch, "spec_info", None)
@@ -200,7 +211,7 @@ class MlagenAttnBackend(_Base):
                 tree.copy_(self._causal_bits(q_len).expand(bs, q_len))
             else:
                 if real > 0:
-                    tree[:real].copy_(md.pack_full_mask(custom, seq_lens[:real], q_len))
+                    tree[:real].copy_(self._pack_tree(custom, seq_lens[:real], real, q_len))
                 if npad > 0:
                     tree[real:bs].zero_()
         return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens[:bs],
@@ -231,13 +242,7 @@ class MlagenAttnBackend(_Base):
         }
         if self.verify_kernel is not None:
             g["ws_verify"] = self.verify_kernel.alloc_workspace(max_bs, dev)
-            from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
-
-            # Same FULL_MASK layout (uint8) the Triton backend reads; the draft stage fills it in place.
-            self._verify_mask = maybe_create_verify_mask(
-                is_draft_runner=False, skip_prefill=False, max_bs=max_bs,
-                max_context_len=self.max_context_len, num_draft_tokens=self.verify_q_len,
-                device=dev, is_read=True, dtype=torch.uint8)
+            self._verify_mask = self._make_verify_mask(max_bs)
         if self.decode_kernel is not None:
             g["ws_decode"] = self.decode_kernel.alloc_workspace(max_bs, dev)
         self._graph = g
@@ -267,9 +272,29 @@ class MlagenAttnBackend(_Base):
     def get_cuda_graph_seq_len_fill_value(self):
         return self.fallback.get_cuda_graph_seq_len_fill_value()
 
+    def _make_verify_mask(self, max_bs: int):
+        """SGLang's VerifyMask in the QLEN_ONLY layout (q x q cells per request: all the kernel reads;
+        FULL_MASK would be q x (context + q) per request, filled every draft step). The draft stage
+        writes the tree into it in place (chains: SGLang's build_chain_tree fast path); a batch past
+        ``max_bs`` gets a fresh QLEN_ONLY mask of its own. ``is_read`` is False for causal variants,
+        which never read it."""
+        from sglang.srt.layers.attention import verify_mask as vm
+
+        mode = vm.TreeMaskMode.QLEN_ONLY
+        n = vm.tree_mask_numel(mode, max_bs, self.verify_q_len, self.max_context_len)
+        return vm.VerifyMask(buffer=torch.zeros(n, dtype=torch.uint8, device=self.device), mode=mode,
+                          max_bs=max_bs, is_read=self.verify_kernel.variant.mask == "tree")
+
     @property
     def verify_mask(self):
-        return self._verify_mask if self.verify_kernel is not None else self.fallback.verify_mask
+        """The verify mask the draft stage fills (see :meth:`_make_verify_mask`); before
+        ``init_cuda_graph_state`` (no CUDA graphs) one without a buffer, so that every batch still
+        gets a QLEN_ONLY mask."""
+        if self.verify_kernel is None:
+            return self.fallback.verify_mask
+        if self._verify_mask is None:
+            self._verify_mask = self._make_verify_mask(0)
+        return self._verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
         pass

@@ -44,6 +44,29 @@ def pack_full_mask(custom_mask: torch.Tensor, seq_lens: torch.Tensor, q_len: int
     return (bits.to(torch.int64) * weights[None, None, :]).sum(-1)
 
 
+def pack_qlen_mask(custom_mask: torch.Tensor, n: int, q_len: int) -> torch.Tensor:
+    """Pack SGLang's QLEN_ONLY verify mask (TreeMaskMode.QLEN_ONLY) into per-row draft bitmasks.
+
+    Args:
+        custom_mask: bool/uint8 1-D with >= n * q_len * q_len elements: per request b a row-major
+            [q_len, q_len] block at b * q_len * q_len, [i, j] = draft query i sees draft token j.
+        n: requests to pack (the first n blocks).
+        q_len: draft tokens per request (<= 64).
+    Returns:
+        int64 [n, q_len]: bit j of [b, i] = query i of request b sees draft token j.
+    Raises:
+        ValueError: the mask holds fewer than n * q_len * q_len elements.
+    """
+    need = n * q_len * q_len
+    if custom_mask.numel() < need:
+        raise ValueError(f"QLEN_ONLY verify mask has {custom_mask.numel()} elements, {need} needed "
+                         f"for {n} requests of {q_len} draft tokens")
+    bits = custom_mask.reshape(-1)[:need].reshape(n, q_len, q_len) != 0
+    weights = torch.ones((), dtype=torch.int64, device=custom_mask.device) << torch.arange(
+        q_len, dtype=torch.int64, device=custom_mask.device)
+    return (bits.to(torch.int64) * weights).sum(-1)
+
+
 def page_columns(table_width: int, page_size: int, device=None) -> torch.Tensor:
     """int64 [ceil(width / page_size)]: the req_to_token column of each page's first token."""
     return torch.arange(0, table_width, page_size, dtype=torch.int64, device=device)
