@@ -724,3 +724,54 @@ def test_pack_qlen_mask_matches_tree():
                 assert int(got[b, i]) == sum(1 << j for j in anc), (b, i)
     with pytest.raises(ValueError, match="324 needed"):
         md.pack_qlen_mask(blocks[:-1], 4, 9)
+
+
+class _DeviceOnly(torch.Tensor):
+    """A tensor whose values never reach the host: item()/int()/tolist()/bool() raise, as a stand-in for
+    the device-to-host synchronization they cost on a GPU tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__", "numpy"):
+            raise AssertionError(f"host sync: {name} on a device tensor")
+        return super().__torch_function__(func, types_, args, kwargs or {})
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_block_table_refresh_sized_from_host_lengths(ps):
+    """Plain decode (SGLang sets max_seq_len_host only in speculative decode) sizes the block-table
+    refresh from seq_lens_cpu, else seq_lens_sum: a replay re-gathers only the pages the batch can
+    read, and the eager path never reads device lengths on the host."""
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    gen = torch.Generator().manual_seed(40 + ps)
+    width = 64
+    mr, r2t = _runner(ps, width=width, rows=6)
+    be = MlagenAttnBackend(mr, verify_kernel=None, decode_kernel=_Kernel(1, "causal"), fallback=_Fallback())
+    be.init_cuda_graph_state(4, 4)
+    lens = torch.randint(1, width // 3, (3,), generator=gen)
+    rpi = torch.randperm(6, generator=gen)[:3]
+    need = -(-(int(lens.max()) + ps) // ps)  # pages covering every row's length (+ one page of slack)
+    cols = width // ps
+
+    def fb(**kw):
+        d = dict(forward_mode=_Mode("decode"), spec_info=None, batch_size=3, req_pool_indices=rpi,
+                 seq_lens=lens.clone().as_subclass(_DeviceOnly), seq_lens_cpu=lens.clone(),
+                 seq_lens_sum=int(lens.sum()), max_seq_len_host=None)
+        d.update(kw)
+        return types.SimpleNamespace(**d)
+
+    be._graph["block_table"].fill_(-1)
+    be.init_forward_metadata_out_graph(fb())  # replay (after capture)
+    table = be._graph["block_table"][:3]
+    assert torch.equal(table[:, :need], (r2t[rpi][:, ::ps] // ps)[:, :need])
+    assert (table[:, need:] == -1).all(), "columns past the batch's pages were re-gathered"
+    assert torch.equal(be.forward_metadata.kv_lens, lens.to(torch.int32))
+
+    for kw, pages in ((dict(), need), (dict(seq_lens_cpu=None), -(-(int(lens.sum()) + ps) // ps)),
+                      (dict(seq_lens_cpu=None, seq_lens_sum=None), cols)):
+        be.init_forward_metadata(fb(**kw))  # eager: no host sync on seq_lens
+        m = be.forward_metadata
+        assert m.block_table.shape == (3, min(cols, pages))
+        assert torch.equal(m.block_table, (r2t[rpi][:, ::ps] // ps)[:, : m.block_table.shape[1]])

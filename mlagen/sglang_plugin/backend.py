@@ -142,16 +142,22 @@ class MlagenAttnBackend(_Base):
         return ws
 
     def _num_pages(self, forward_batch, bs: int, extra: int, graph: bool, in_capture: bool) -> int:
-        """Block-table columns to refresh: from the host max seq len when SGLang provides it
-        (``max_seq_len_host``), else (eager) a device max, else (graph) the whole table."""
+        """Block-table columns to refresh, from host values only (no device sync): SGLang's
+        ``max_seq_len_host`` (speculative decode), else the max of ``seq_lens_cpu`` (plain decode and
+        most batches), else ``seq_lens_sum`` (an upper bound of the max), else the whole table
+        (also during capture)."""
         width = self.req_to_token.shape[1]
-        m = None if in_capture else getattr(forward_batch, "max_seq_len_host", None)
-        if m is not None:
-            tokens = int(m) + extra + self.page_size
-        elif not graph and bs > 0:
-            tokens = int(forward_batch.seq_lens[:bs].max()) + extra  # eager: a sync is acceptable
-        else:
-            tokens = width
+        tokens = width
+        if not in_capture:
+            m = getattr(forward_batch, "max_seq_len_host", None)
+            cpu = getattr(forward_batch, "seq_lens_cpu", None)
+            total = getattr(forward_batch, "seq_lens_sum", None)
+            if m is None and cpu is not None and bs > 0 and not cpu.is_cuda:
+                m = int(cpu[:bs].max())
+            if m is None and isinstance(total, int) and total > 0:
+                m = total
+            if m is not None:
+                tokens = int(m) + extra + self.page_size
         tokens = max(1, min(width, tokens))
         return -(-tokens // self.page_size)
 
