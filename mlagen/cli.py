@@ -5,6 +5,7 @@ User errors raise click.ClickException: one line, no traceback, exit code 1.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -146,6 +147,12 @@ class _Group(click.Group):
 
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # `mlagen list | head`: the reader is gone; stop quietly, like a SIGPIPE
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+            ctx.exit(141)
         except ToolchainError as e:
             raise click.ClickException(str(e)) from None
         except (OSError, sqlite3.DatabaseError) as e:
@@ -433,14 +440,16 @@ def list_(kernels: str | None, fmt: str) -> None:
         table.add_column(h, overflow="fold")
     for row in rows:
         table.add_row(*row)
-    need = console.measure(table).minimum
+    # the width with every column at its natural width (nothing folded), measured without the console's limit
+    need = console.measure(table, options=console.options.update_width(1 << 16)).maximum
     if fmt == "table" or (fmt == "auto" and need <= console.width):
         console.print(table, width=max(console.width, need), crop=False)
         return
     console.print(f"{len(rows)} variants (registers / smem B / spill B per arch; verify; best µs)")
     for uri, per_arch, vs, best in rows:
         console.print(uri, soft_wrap=True, markup=False, highlight=False)
-        console.print(f"    {per_arch}   verify {vs}   best {best} µs", soft_wrap=True, markup=False)
+        console.print(f"    {per_arch}   verify {vs}   best {best if best == '-' else best + ' µs'}", soft_wrap=True,
+                      markup=False)
 
 
 def _iso(ts) -> str | None:

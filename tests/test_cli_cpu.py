@@ -1,5 +1,8 @@
 """CLI behaviour without a GPU (click's CliRunner)."""
 
+import re
+import time
+
 import pytest
 from click.testing import CliRunner
 
@@ -148,3 +151,86 @@ def test_spec_arch_not_a_string_and_binary_spec(runner, tmp_path):
     p.write_bytes(b"\xff\xfe\x00bad")
     r = runner.invoke(main, ["generate", str(p)])
     assert r.exit_code == 1 and "not UTF-8" in r.output
+
+
+def _register(uris_spec: dict, n: int | None = None):
+    from mlagen.registry import Registry
+    from mlagen.spec import parse_spec
+
+    reg = Registry()
+    vs = parse_spec(uris_spec).variants()[:n]
+    res = {a: dict(registers=168, smem=99000, spill_stores=0, spill_loads=0, stack=0) for a in ("sm_120", "sm_90")}
+    for v in vs:
+        reg.put_variant(uri=v.uri, spec="t", variant=v.to_dict(), bucket=v.bucket, source_hash="h", nvcc_version="13.0",
+                        archs=list(v.archs), so_path="/nonexistent.so", build_seconds=1.0, resources=res)
+    return reg, [v.uri for v in vs]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 200])
+def test_list_always_shows_whole_uris(runner, monkeypatch, width):
+    """At any width every uri is printed whole, on one line (it can be copied into `mlagen show`)."""
+    from rich.console import Console
+
+    from mlagen import cli
+
+    _, uris = _register(dict(heads_per_rank=8, q_len=9, load_width="bulk", overlap=[0, 1], row_tiles=[1, 2],
+                             nsplit=["auto", 32], page_size=[1, 64]))
+    monkeypatch.setattr(cli, "console", Console(highlight=False, width=width))
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    for u in uris:
+        assert any(u in l for l in lines), (u, r.output)
+    assert "…" not in r.output
+    r = runner.invoke(main, ["list", "--format", "tsv"])
+    assert [l.split("\t")[0] for l in r.output.splitlines()[1:]] == sorted(uris)
+    r = runner.invoke(main, ["show", uris[0]])
+    assert r.exit_code == 0
+
+
+def test_show_prints_iso_times(runner):
+    reg, uris = _register(dict(heads_per_rank=8, q_len=9), 1)
+    row = reg.get_variant(uris[0])
+    reg.add_verification(uri=uris[0], source_hash=row["source_hash"], device="d", arch="sm_90", cases=1, max_err=0.0,
+                         passed=True)
+    reg.add_benchmark(uri=uris[0], source_hash=row["source_hash"], device="d", arch="sm_90",
+                      shape=dict(context=4096), median_us=10.0, gbs=1.0, frac_copy_bw=0.1)
+    r = runner.invoke(main, ["show", uris[0]])
+    assert r.exit_code == 0, r.output
+    iso = r'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d"'
+    assert re.search(r'"built_at": ' + iso, r.output), r.output
+    assert len(re.findall(r'"at": ' + iso, r.output)) == 2, r.output
+    assert not re.search(r'"(built_at|at)": \d', r.output)
+
+
+def test_spec_errors_truncate_large_values(runner, tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("heads_per_rank: 8\nq_len: {a: [" + ", ".join(str(i) for i in range(5000)) + "]}\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1
+    assert len(r.output.splitlines()) == 1 and len(r.output) < 400, r.output[:500]
+    assert r.output.startswith("Error: spec key 'q_len': expected int, got dict {'a': [0, 1, 2,")
+    assert "characters); allowed: int in [1, 64]" in r.output
+
+
+def test_sweep_over_the_limit_is_refused_naming_its_size(runner, tmp_path, cache_env):
+    p = tmp_path / "big.yaml"
+    p.write_text("name: big\nheads_per_rank: [" + ", ".join(map(str, range(1, 129))) + "]\n"
+                 "q_len: [" + ", ".join(map(str, range(1, 65))) + "]\n"
+                 "nsplit: [" + ", ".join(map(str, range(1, 257))) + "]\n")
+    t0 = time.monotonic()
+    for cmd in (["generate"], ["build"], ["build", "--max-variants", "100000"]):
+        r = runner.invoke(main, [cmd[0], str(p), *cmd[1:]])
+        assert r.exit_code == 1
+        assert r.output.startswith("Error: spec big sweeps 2,097,152 variants (heads_per_rank 128 x q_len 64 x nsplit 256), "
+                                   "more than the limit of "), r.output
+        assert "allow it with --max-variants 2097152" in r.output
+    assert time.monotonic() - t0 < 10  # counted, never expanded
+    assert not (cache_env / "generated").exists()
+    p.write_text("name: mid\nheads_per_rank: 8\nq_len: 9\nnsplit: [" + ", ".join(map(str, range(1, 257))) + "]\n"
+                 "row_tiles: [1, 2, 3]\n")  # 768 variants
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1 and "sweeps 768 variants (nsplit 256 x row_tiles 3), more than the limit of 512" in r.output
+    from mlagen.spec import load_spec
+
+    load_spec(p).check_size(768)  # --max-variants 768 allows it
