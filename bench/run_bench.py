@@ -184,6 +184,8 @@ def _measure_fi(p: dict, k_best: VerifyKernel, fi_cols, fi_smem: int) -> dict:
         try:
             us, diff = fib.measure(p, c, fi_smem, ref)
             res[f"{fib.KEYS[c]}_us"] = us
+            if sgl.last_timing.get("method") != "cuda_graph":  # e.g. capture failed: do_bench's median instead
+                res.setdefault("fi_timing", {})[c] = dict(sgl.last_timing)
             if diff is not None:
                 diffs[c] = diff
         except Exception as e:  # noqa: BLE001
@@ -492,6 +494,8 @@ def _fmt(r: dict) -> str:
         s += f" | sglang error: {r['sglang_error'][:80]}"
     for c, e in r.get("fi_errors", {}).items():
         s += f" | {fib.LABELS.get(c, c)} error: {e[:100]}"
+    for c, t in r.get("fi_timing", {}).items():
+        s += f" | {fib.LABELS[c]} timed by {t.get('method')} ({str(t.get('graph_error', ''))[:80]})"
     return s
 
 
