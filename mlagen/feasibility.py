@@ -12,7 +12,7 @@ from mlagen.tables import SMEM_LIMIT
 
 SOFTMAX_LANES = 8
 REG_TILE_LIMIT = 200  # registers per thread held in Q / S / O fragments (same bound as the C++ config)
-DIMSPLIT_REG_TILE_LIMIT = 200  # dimsplit: one warp per CTA holds 16 rows' Q half, S and O half (MlaDimSplitConfig)
+DIMSPLIT_REG_TILE_LIMIT = 184  # dimsplit: one warp per CTA holds 16 rows' Q half, S and O half (MlaDimSplitConfig)
 DIMSPLIT_MAX_ROW_TILES = 7  # consumer warps per CTA (plus the producer warp): 8 warps x 255 registers fill an SM
 
 
@@ -48,9 +48,9 @@ def resources(v: Variant) -> Resources:
         smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
         smem_xchg = 2 * v.row_tiles * (2 * 32 * 4) * 4  # 16-token score fragments, double buffered
         smem_bars = (2 * v.stages + 2 * v.row_tiles) * 8
-        q_smem_steps = v.qk_rope_head_dim // 2 // 16  # the rope k-steps of Q come from shared memory
+        q_smem_steps = min(dim_cta // 16, v.qk_rope_head_dim // 2 // 16 + 6)  # Q k-steps read from shared memory
         smem_q = v.row_tiles * 16 * (q_smem_steps * 16 + 8) * 2
-        return Resources(smem_kv + smem_xchg + smem_bars + smem_q, (dim_cta // 16 - q_smem_steps) * 4, 2 * 4,
+        return Resources(smem_kv + smem_xchg + smem_bars + smem_q, (dim_cta // 16 - q_smem_steps) * 4, 2 * 2 * 4,
                          v.kv_lora_rank // 2 // 8 * 4)
     kv_row = dim_qk + 8
     smem_kv = v.stages * v.block_n * kv_row * 2

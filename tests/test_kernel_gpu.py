@@ -23,7 +23,7 @@ SPECS = {
     # dimsplit: a two-CTA cluster splits the 576 dims, KV read once per split (H8 q9: one cluster of 5 row
     # tiles; bulk and cp.async loaders; 2 and 4 stages; page sizes 1 / 64; fixed and auto NSPLIT)
     "k2_ds": dict(name="gpu_k2_ds", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
-                  schedule="dimsplit", block_n=32, stages=[2, 4], row_tiles=5, load_width=["bulk", 128], mask="tree"),
+                  schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, load_width=["bulk", 128], mask="tree"),
     # dimsplit at other row counts: H16 (2 clusters of 5 row tiles, the second with 4 live), H1 q5 causal
     # (one row tile, 5 of 16 rows live), H64 q2 no mask (8 row tiles -> 2 clusters of 4), q_len 1 decode
     "ds_rows": [dict(name="gpu_ds_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
@@ -33,7 +33,7 @@ SPECS = {
                 dict(name="gpu_ds_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
                      schedule="dimsplit", row_tiles=4, block_n=32, stages=2, load_width=128),
                 dict(name="gpu_ds_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
-                     schedule="dimsplit", row_tiles=1, block_n=32, stages=4, load_width="bulk")],
+                     schedule="dimsplit", row_tiles=1, block_n=32, stages=3, load_width="bulk")],
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -68,7 +68,7 @@ def _check(kernel, quick):
     results = verify_kernel(kernel, quick=quick)
     bad = [f"{r.name}: {r.detail}" for r in results if not r.passed]
     assert not bad, f"{kernel.variant.uri}: " + " | ".join(bad)
-    assert len(results) >= 9
+    assert len(results) >= (9 if kernel.variant.q_len > 1 else 8)  # q_len 1 has no shorter runtime q_len case
 
 
 def test_k2_full_case_set(kernels):

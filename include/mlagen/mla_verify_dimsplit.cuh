@@ -85,9 +85,10 @@ struct MlaDimSplitConfig {
   static constexpr int kSmemXchg = 2 * kRowTiles * kXchgFloatsPerWarp * 4;
   static constexpr int kNumBars = 2 * kStages + 2 * kRowTiles;  // full, empty, exchange
   static constexpr int kSmemBars = kNumBars * 8;
-  // The last kQSmemSteps k16 steps of each warp's Q (the rope dims) are read with ldmatrix from shared
-  // memory instead of held in registers: 8 registers of headroom that keep ptxas from spilling at 255.
-  static constexpr int kQSmemSteps = kRopeHalf / 16;
+  // The last kQSmemSteps k16 steps of each warp's Q (the rope dims and 6 latent steps) are read with
+  // ldmatrix from shared memory instead of held in registers: the headroom that lets the scores of
+  // sub-tile j + 1 live beside P(j) and O without spilling at 255 registers.
+  static constexpr int kQSmemSteps = kRopeHalf / 16 + 6 < kKSteps ? kRopeHalf / 16 + 6 : kKSteps;
   static constexpr int kQRegSteps = kKSteps - kQSmemSteps;
   static constexpr int kQSmemRowElems = kQSmemSteps * 16 + 8;  // +16 B: odd count of 16-B units per row
   static constexpr int kSmemQ = kRowTiles * 16 * kQSmemRowElems * 2;
@@ -108,7 +109,7 @@ struct MlaDimSplitConfig {
 
   // Registers held per consumer thread across the main loop (fp32 / bf16x2 words).
   static constexpr int kRegsQ = kQRegSteps * 4;
-  static constexpr int kRegsS = kNTilesS * 4;
+  static constexpr int kRegsS = 2 * kNTilesS * 4;  // two accumulator chains
   static constexpr int kRegsO = kNTilesO * 4;
 
   static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
@@ -126,7 +127,7 @@ struct MlaDimSplitConfig {
   static_assert(kStages >= 2, "need at least two pipeline stages");
   static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
-  static_assert(kRegsQ + kRegsS + kRegsO <= 200, "register tiles would spill");
+  static_assert(kRegsQ + kRegsS + kRegsO <= 184, "register tiles would spill");
 };
 
 template <class Cfg>
@@ -287,73 +288,80 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t xchg_local = ptx::smem_u32(xchg_smem);
     const uint32_t xchg_remote = ptx::map_to_cta(xchg_local, peer);
     const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
+    const int m4 = lane / 8;  // ldmatrix matrix index of this lane's row address
 
-    for (int i = 0; i < num_tiles; ++i) {
-      const int tile = tile_begin + i;
-      const int stage = i % Cfg::kStages;
-      ptx::mbarrier_wait_parity(full_bar + stage, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
-      const bool tile_in_prefix = (tile + 1) * Cfg::kBlockN <= prefix_len;
-#pragma unroll 1
-      for (int sub = 0; sub < Cfg::kSubTiles; ++sub) {
-      const __nv_bfloat16* kv_stage = kv_smem + stage * Cfg::kStageElems + sub * Cfg::kSubTile * Cfg::kKvRowElems;
-      const int key0 = tile * Cfg::kBlockN + sub * Cfg::kSubTile;  // first token of the sub-tile
-      const int xj = i * Cfg::kSubTiles + sub;                        // exchange sequence number
-
-      // ---- S_c = Q_c K_c^T over this CTA's 288 dims
-      float s[Cfg::kNTilesS][4];
+    // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kStages at row offset 16 (j % kSubTiles).
+    auto sub_kv = [&](int j) {
+      return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kStages) * Cfg::kStageElems +
+             (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
+    };
+    auto wait_full = [&](int j) {  // the stage of sub-tile j has landed (first sub-tile of a stage only)
+      if (j % Cfg::kSubTiles == 0) {
+        const int i = j / Cfg::kSubTiles;
+        ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+      }
+    };
+    // S_c of sub-tile j over this CTA's 288 dims, in two independent accumulator chains (even / odd k
+    // steps) so consecutive MMAs do not wait on each other.
+    auto compute_scores = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+      const __nv_bfloat16* kv_sub = sub_kv(j);
+      float s2[Cfg::kNTilesS][4];
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-      {
-        const int m = lane / 8;
+        for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-          uint32_t qa_smem[4];
-          if (ks >= Cfg::kQRegSteps) {  // matrices: (rows 0-7, k lo), (rows 8-15, k lo), (rows 0-7, k hi), (rows 8-15, k hi)
-            ptx::ldmatrix_x4(qa_smem, q_warp_smem + ((m % 2) * 8 + lane % 8) * Cfg::kQSmemRowElems +
-                                          (ks - Cfg::kQRegSteps) * 16 + (m / 2) * 8);
-          }
-          const uint32_t(&qa)[4] = ks < Cfg::kQRegSteps ? q_frag[ks < Cfg::kQRegSteps ? ks : 0] : qa_smem;
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        uint32_t qa_smem[4];
+        if (ks >= Cfg::kQRegSteps) {  // matrices: (rows 0-7, k lo), (rows 8-15, k lo), (rows 0-7, k hi), (rows 8-15, k hi)
+          ptx::ldmatrix_x4(qa_smem, q_warp_smem + ((m4 % 2) * 8 + lane % 8) * Cfg::kQSmemRowElems +
+                                        (ks - Cfg::kQRegSteps) * 16 + (m4 / 2) * 8);
+        }
+        const uint32_t(&qa)[4] = ks < Cfg::kQRegSteps ? q_frag[ks < Cfg::kQRegSteps ? ks : 0] : qa_smem;
+        float(&acc)[Cfg::kNTilesS][4] = (ks % 2) ? s2 : s;
 #pragma unroll
-          for (int np = 0; np < Cfg::kNTilesS / 2; ++np) {
-            // matrices: (tokens 0-7, k lo), (tokens 0-7, k hi), (tokens 8-15, k lo), (tokens 8-15, k hi)
-            const int n = np * 16 + (m / 2) * 8 + lane % 8;
-            uint32_t kb[4];
-            ptx::ldmatrix_x4(kb, kv_stage + n * Cfg::kKvRowElems + ks * 16 + (m % 2) * 8);
-            ptx::mma_bf16_16816(s[2 * np], qa, kb[0], kb[1]);
-            ptx::mma_bf16_16816(s[2 * np + 1], qa, kb[2], kb[3]);
-          }
+        for (int np = 0; np < Cfg::kNTilesS / 2; ++np) {
+          // matrices: (tokens 0-7, k lo), (tokens 0-7, k hi), (tokens 8-15, k lo), (tokens 8-15, k hi)
+          const int n = np * 16 + (m4 / 2) * 8 + lane % 8;
+          uint32_t kb[4];
+          ptx::ldmatrix_x4(kb, kv_sub + n * Cfg::kKvRowElems + ks * 16 + (m4 % 2) * 8);
+          ptx::mma_bf16_16816(acc[2 * np], qa, kb[0], kb[1]);
+          ptx::mma_bf16_16816(acc[2 * np + 1], qa, kb[2], kb[3]);
         }
       }
-
-      // ---- exchange: send S_c to the peer, add the peer's S_{1-c} (same sum in both CTAs)
-      const int buf = xj & 1;
-      const int xoff = (buf * Cfg::kRowTiles + warp) * Cfg::kXchgFloatsPerWarp;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+    };
+    // Exchange buffer of sub-tile j in a CTA: [j & 1][warp][n8 tile][lane][4].
+    auto xoff_of = [&](int j) { return ((j & 1) * Cfg::kRowTiles + warp) * Cfg::kXchgFloatsPerWarp; };
+    auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
+      const int xoff = xoff_of(j);
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
         const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
         ptx::st_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
       }
-      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>((buf * Cfg::kRowTiles + warp) * 8));
-      ptx::mbarrier_wait_parity_cluster(xfull_bar + buf * Cfg::kRowTiles + warp, static_cast<uint32_t>(xj >> 1) & 1u);
+      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>(((j & 1) * Cfg::kRowTiles + warp) * 8));
+    };
+    // S = S_c + S_{1-c} (the same sum in both CTAs), mask, online softmax in registers; leaves P (fp32)
+    // in s and rescales O.
+    auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+      ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kRowTiles + warp, static_cast<uint32_t>(j >> 1) & 1u);
+      const int xoff = xoff_of(j);
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
         const float4 v = *reinterpret_cast<const float4*>(xchg_smem + xoff + (nt * 32 + lane) * 4);
-        s[nt][0] += v.x;
-        s[nt][1] += v.y;
-        s[nt][2] += v.z;
-        s[nt][3] += v.w;
+        s[nt][0] = (s[nt][0] + v.x) * scale_log2;
+        s[nt][1] = (s[nt][1] + v.y) * scale_log2;
+        s[nt][2] = (s[nt][2] + v.z) * scale_log2;
+        s[nt][3] = (s[nt][3] + v.w) * scale_log2;
       }
-
-      // ---- mask and online softmax in registers (rows g and g + 8; a row spans the 4 lanes t4)
-      // A tile wholly inside the prefix (all but the last one or two of a request) needs no mask test;
-      // the draft rows' mask bits are read (from L1) only for the others.
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-      if (!tile_in_prefix) {
+      const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // first token of the sub-tile
+      // A sub-tile wholly inside the prefix (all but the last one or two of a request) needs no mask
+      // test; the draft rows' mask bits are read (from L1) only for the others.
+      if (key0 + Cfg::kSubTile > prefix_len) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = row0 + warp * 16 + g + half * 8;
@@ -371,17 +379,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             }
         }
       }
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
       float alpha[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
-        tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
-        const float m_new = fmaxf(m_run[half], tile_max[half]);
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float m_new = fmaxf(m_run[half], tile_max);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
         alpha[half] = exp2f(m_run[half] - m_use);
         m_run[half] = m_new;
@@ -403,31 +409,54 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           o_acc[nt][3] *= alpha[1];
         }
       }
-
-      // ---- O_c += P V_c: P (bf16) from the score registers as the A operand
-      {
-        const int m = lane / 8;
-        {
-          constexpr int j = 0;  // one k16 step: the sub-tile's 16 tokens
-          uint32_t pa[4];
-          pa[0] = ptx::pack_bf16x2(s[2 * j][0], s[2 * j][1]);
-          pa[1] = ptx::pack_bf16x2(s[2 * j][2], s[2 * j][3]);
-          pa[2] = ptx::pack_bf16x2(s[2 * j + 1][0], s[2 * j + 1][1]);
-          pa[3] = ptx::pack_bf16x2(s[2 * j + 1][2], s[2 * j + 1][3]);
-          const int token = j * 16 + (m % 2) * 8 + lane % 8;
+    };
+    // O_c += P V_c for sub-tile j: P (bf16) from the score registers as the A operand.
+    auto pv = [&](int j, const uint32_t (&pa)[4]) {
+      const __nv_bfloat16* kv_sub = sub_kv(j);
+      const int token = (m4 % 2) * 8 + lane % 8;
 #pragma unroll
-          for (int nb = 0; nb < Cfg::kNTilesO / 2; ++nb) {
-            // matrices: (tokens lo, dims 0-7), (tokens hi, dims 0-7), (tokens lo, dims 8-15), (tokens hi, dims 8-15)
-            uint32_t vb[4];
-            ptx::ldmatrix_x4_trans(vb, kv_stage + token * Cfg::kKvRowElems + nb * 16 + (m / 2) * 8);
-            ptx::mma_bf16_16816(o_acc[2 * nb], pa, vb[0], vb[1]);
-            ptx::mma_bf16_16816(o_acc[2 * nb + 1], pa, vb[2], vb[3]);
-          }
-        }
+      for (int nb = 0; nb < Cfg::kNTilesO / 2; ++nb) {
+        // matrices: (tokens lo, dims 0-7), (tokens hi, dims 0-7), (tokens lo, dims 8-15), (tokens hi, dims 8-15)
+        uint32_t vb[4];
+        ptx::ldmatrix_x4_trans(vb, kv_sub + token * Cfg::kKvRowElems + nb * 16 + (m4 / 2) * 8);
+        ptx::mma_bf16_16816(o_acc[2 * nb], pa, vb[0], vb[1]);
+        ptx::mma_bf16_16816(o_acc[2 * nb + 1], pa, vb[2], vb[3]);
       }
+    };
+    auto pack_p = [&](const float (&s)[Cfg::kNTilesS][4], uint32_t (&pa)[4]) {
+      pa[0] = ptx::pack_bf16x2(s[0][0], s[0][1]);
+      pa[1] = ptx::pack_bf16x2(s[0][2], s[0][3]);
+      pa[2] = ptx::pack_bf16x2(s[1][0], s[1][1]);
+      pa[3] = ptx::pack_bf16x2(s[1][2], s[1][3]);
+    };
+
+    // Software pipeline over sub-tiles: the scores of j + 1 are computed and sent before P V of j,
+    // so the peer's half of them crosses the cluster while this warp runs P V(j).
+    const int num_sub = num_tiles * Cfg::kSubTiles;
+    float s[Cfg::kNTilesS][4];
+    uint32_t pa[4];
+    wait_full(0);
+    compute_scores(0, s);
+    send_scores(0, s);
+    softmax(0, s);
+    pack_p(s, pa);
+#pragma unroll 1
+    for (int j = 0; j < num_sub; ++j) {
+      const bool more = j + 1 < num_sub;
+      if (more) {
+        wait_full(j + 1);
+        compute_scores(j + 1, s);
+        send_scores(j + 1, s);
       }
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(empty_bar + stage);  // this warp is done with the stage
+      pv(j, pa);
+      if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {  // this warp is done with the stage of sub-tile j
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kStages);
+      }
+      if (more) {
+        softmax(j + 1, s);
+        pack_p(s, pa);
+      }
     }
 
     // ---- epilogue: normalized partial O (this CTA's 256 dims) and, from rank 0, the LSE
