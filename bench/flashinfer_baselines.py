@@ -114,16 +114,23 @@ _import_error: str | None = None
 
 def _ensure_cuda_home() -> None:
     """FlashInfer's JIT takes the toolkit from CUDA_HOME, else from `which nvcc`'s parent's parent, which
-    is wrong for a symlinked nvcc (/usr/local/bin/nvcc -> /usr/local/lib64 does not exist): set
-    CUDA_HOME from the real path of the nvcc mlagen builds with."""
+    is wrong for an nvcc outside the toolkit tree (/usr/local/bin/nvcc: no /usr/local/lib64/libcudart):
+    without CUDA_HOME, set it to the first of (the real nvcc's toolkit, /usr/local/cuda) that has both
+    include/cuda_runtime.h and lib64/libcudart.so."""
     if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
         return
+    cands = []
     try:
         from mlagen.ninja_gen import nvcc_path
 
-        os.environ["CUDA_HOME"] = str(Path(os.path.realpath(nvcc_path())).parent.parent)
+        cands.append(Path(os.path.realpath(nvcc_path())).parent.parent)
     except Exception:  # noqa: BLE001 — FlashInfer then searches itself
         pass
+    cands.append(Path("/usr/local/cuda"))
+    for home in cands:
+        if (home / "include" / "cuda_runtime.h").exists() and any((home / "lib64").glob("libcudart.so*")):
+            os.environ["CUDA_HOME"] = str(home)
+            return
 
 
 def _load():
