@@ -234,3 +234,23 @@ def test_sweep_over_the_limit_is_refused_naming_its_size(runner, tmp_path, cache
     from mlagen.spec import load_spec
 
     load_spec(p).check_size(768)  # --max-variants 768 allows it
+
+
+def test_readme_setup_block_and_gpu_scripts():
+    """The set-up block creates the virtual environment setup.sh installs into; the offline route is
+    described for a user; every script in tools/ is named with what it runs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    setup = text.split("## Setup and the main job", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [l.split("#")[0].strip() for l in setup.strip().splitlines()]
+    assert lines[0] == "python3 -m venv --system-site-packages .venv && . .venv/bin/activate", setup
+    assert lines.index("bash setup.sh") > 0
+    assert "a gpu machine without internet access" in text.lower()
+    for word in ("lent", "device call", "carrying"):  # how it was developed, not what a user does
+        assert not re.search(rf"\b{word}\b", text), word
+    for script in sorted((root / "tools").iterdir()):
+        if script.suffix in (".sh", ".py") and script.name != "device_env.sh":
+            rows = [l for l in text.splitlines() if l.startswith("| `") and f"tools/{script.name}" in l.split("|")[1]]
+            assert rows and len(rows[0].split("|")[2].strip()) > 20, f"tools/{script.name} not described in README"
