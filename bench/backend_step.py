@@ -5,7 +5,10 @@ with SGLang's custom tree mask, req_to_token, an MLA KV pool): each backend capt
 ``init_forward_metadata_in_graph`` + ``forward_extend`` (TARGET_VERIFY) in a CUDA graph as SGLang's
 CUDA-graph runner does; the time is the median of CUDA-event-timed replays (µs) of the captured
 step, with the batch's metadata set once out of graph after capture. Also reports the eager step
-(metadata + forward, timed together).
+(metadata + forward, timed together) and its excess over the captured step (the bar: <= 60 µs for
+one layer), and, for the first batch size and context, the host time of an eager step through
+``--layers`` layers (61: DeepSeek-V3 / Kimi-K2) with mlagen's per-batch check + per-layer launch, with
+the fully checked call per layer (``VerifyKernel.__call__``), and Triton's.
 
     python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4     # H=8, q_len=9, page_size 1
 """
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +51,29 @@ def _profile(fn, title: str, reps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
+EAGER_BAR_US = 60.0  # eager step <= captured step + this, for one layer
+
+
+def _host_us(fn, reps: int) -> float:
+    """Median host (wall) time of ``fn`` in µs: from the call to its return, the GPU idle at the start."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def _checked_launch(kernel):
+    """``kernel.launch`` through the fully checked call (every tensor checked on every layer)."""
+    def launch(batch, q, kv_cache, out, softmax_scale, lse=None):
+        return kernel(q, kv_cache, batch.block_table, batch.kv_lens, q_len=batch.q_len, softmax_scale=softmax_scale,
+                      tree_mask=batch.tree_mask, out=out, lse=lse, workspace=batch.workspace)
+    return launch
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=8)
@@ -56,6 +84,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--profile-eager", action="store_true",
                     help="also print torch.profiler's top ops of each backend's eager step (first bs and context)")
+    ap.add_argument("--layers", type=int, default=61,
+                    help="layers of the host-time eager step (first bs and context; 0: skip)")
     ap.add_argument("--uri", help="which of the variants built here to use (bulk bn32 w8 rt1 st2 auto for these H/q/ps; "
                     "the only one built today)")
     a = ap.parse_args()
@@ -81,8 +111,10 @@ def main() -> int:
     print(f"mlagen variant: {built[0].uri}")
     runner, ref, ours, layer = T._make_backends(sgl, {("verify", H, ps, "tree"): k}, H, ps, q, "verify", "tree")
     gen = torch.Generator().manual_seed(7)
-    print(f"\n| H | q_len | bs | ctx | mlagen graph µs | Triton graph µs | speedup | mlagen eager µs | Triton eager µs | max |diff| |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| H | q_len | bs | ctx | mlagen graph µs | Triton graph µs | speedup | mlagen eager µs | Triton eager µs "
+          f"| mlagen eager - graph µs (<= {EAGER_BAR_US:.0f}) | max |diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    host_rows, failed = [], []
     for bs in bss:
         T_tok = bs * q
         for name, be in (("ref", ref), ("ours", ours)):
@@ -91,14 +123,32 @@ def main() -> int:
             b = T._Batch(sgl, runner, "verify", q, bs, True, gen, lens=[ctx] * bs)
             res, outs = {}, {}
             for name, be in (("ref", ref), ("ours", ours)):
-                def eager(be=be):
-                    fb = b.forward_batch()
+                fb_eager = b.forward_batch()  # host lengths read here once, as the scheduler hands them over
+
+                def eager(be=be, fb=fb_eager):
                     be.init_forward_metadata(fb)
                     return T._forward(be, layer, fb, b.q, b.k, "verify")
                 outs[name] = eager().float()
                 res[name + "_eager"] = events_median_us(eager, max(5, a.reps // 5))
                 if a.profile_eager and bs == bss[0] and ctx == ctxs[0]:
                     _profile(eager, f"{name} eager step, bs {bs} ctx {ctx}")
+                if a.layers and bs == bss[0] and ctx == ctxs[0]:
+                    def step(be=be, fb=fb_eager):
+                        be.init_forward_metadata(fb)
+                        for _ in range(a.layers):
+                            T._forward(be, layer, fb, b.q, b.k, "verify")
+                    variants = [("Triton", None)] if name == "ref" else [("mlagen", None), ("mlagen, checked call per layer", _checked_launch(k))]
+                    for label, launch in variants:
+                        if launch is not None:
+                            k.launch = launch
+                        try:
+                            step()
+                            host_rows.append((label, _host_us(step, max(5, a.reps // 5)),
+                                              events_median_us(step, max(5, a.reps // 5))))
+                            if a.profile_eager:
+                                _profile(step, f"{label}: {a.layers}-layer eager step, bs {bs} ctx {ctx}", reps=2)
+                        finally:
+                            k.__dict__.pop("launch", None)
                 fb = b.forward_batch()
                 be.init_forward_metadata_out_graph(fb, in_capture=True)
                 s = torch.cuda.Stream()
@@ -116,9 +166,20 @@ def main() -> int:
                 res[name + "_graph"] = events_median_us(g.replay, a.reps)
                 del g
             diff = (outs["ref"] - outs["ours"]).abs().max().item()
+            excess = res["ours_eager"] - res["ours_graph"]
+            if not excess <= EAGER_BAR_US:
+                failed.append((bs, ctx, excess))
             print(f"| {H} | {q} | {bs} | {ctx} | {res['ours_graph']:.1f} | {res['ref_graph']:.1f} | "
-                  f"{res['ref_graph'] / res['ours_graph']:.1f}x | {res['ours_eager']:.1f} | {res['ref_eager']:.1f} | {diff:.3g} |",
-                  flush=True)
+                  f"{res['ref_graph'] / res['ours_graph']:.1f}x | {res['ours_eager']:.1f} | {res['ref_eager']:.1f} | "
+                  f"{excess:.1f}{'' if excess <= EAGER_BAR_US else ' (over)'} | {diff:.3g} |", flush=True)
+    if host_rows:
+        print(f"\n{a.layers}-layer eager verify step, bs {bss[0]} ctx {ctxs[0]} (median; host = Python to return, "
+              f"GPU idle at the start)\n\n| path | host µs | step µs (CUDA events) |\n|---|---|---|")
+        for label, host, dev in host_rows:
+            print(f"| {label} | {host:.0f} | {dev:.0f} |")
+    if failed:
+        print(f"\neager step over the captured step + {EAGER_BAR_US:.0f} µs at (bs, ctx, excess µs): {failed}")
+        return 1
     return 0
 
 

@@ -5,6 +5,7 @@ device pointers, strides and the stream; no torch headers in the compiled code).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -43,6 +44,20 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int
     costs = [-(-units * s // slots) / s for s in range(1, max_splits + 1)]
     best = min(costs)
     return next(s for s, c in enumerate(costs, start=1) if c <= best * AUTO_WAVE_SLACK)
+
+
+_PREFIX_MAX: dict[tuple[int, int], list[int]] = {}
+
+
+def _max_request_splits(units_per_request: int, slots: int, batch_size: int) -> int:
+    """max over bs in [1, batch_size] of bs * auto_num_splits(bs * units_per_request, slots): request-splits
+    of the largest auto workspace up to ``batch_size``. Prefix maxima are kept per (units, slots), so a
+    size seen before is a list lookup and a new one costs one split count per new batch size."""
+    pm = _PREFIX_MAX.setdefault((units_per_request, slots), [0])
+    while len(pm) <= batch_size:
+        b = len(pm)
+        pm.append(max(pm[-1], b * auto_num_splits(b * units_per_request, slots)))
+    return pm[batch_size]
 
 
 _LOADED: dict[str, tuple[Path, object]] = {}
@@ -155,13 +170,17 @@ class VerifyKernel:
 
     def workspace_numel(self, batch_size: int, device: torch.device | None = None) -> int:
         """fp32 elements of split workspace needed for every batch size up to ``batch_size``:
-        o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len]."""
+        o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len]. O(1): fixed nsplit in
+        closed form; auto from running maxima kept per CTA-slot count (a batch size not seen before
+        costs one split count per new size, once)."""
         v = self.variant
-        need = 0
-        for bs in range(1, max(1, batch_size) + 1):
-            s = self.num_splits(bs, device)
-            need = max(need, bs * s * v.rows_max * (v.dim_v + 1))
-        return need
+        n = max(1, batch_size)
+        if v.nsplit != "auto":
+            return n * int(v.nsplit) * v.rows_max * (v.dim_v + 1)
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.num_splits(1, dev)  # fills the device's CTA slot count, self._sm[idx]
+        return _max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n) * v.rows_max * (v.dim_v + 1)
 
     def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
         """Allocate the 1-D fp32 workspace for batches up to ``batch_size``."""
@@ -191,51 +210,16 @@ class VerifyKernel:
         """
         v = self.variant
         D, DV, H = v.dim_qk, v.dim_v, v.heads
-        lw_bytes = 16 if v.load_width == "bulk" else v.load_width // 8
         if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
             raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
         if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
                 and math.isfinite(softmax_scale) and 0 < softmax_scale < 3.0e38):
             raise ValueError(f"softmax_scale must be a finite float > 0 (fp32 range), got {softmax_scale!r}")
-        _check(kv_lens, "kv_lens", torch.int32, ndim=1)
-        if not kv_lens.is_contiguous():
-            raise ValueError("kv_lens must be contiguous")
-        bs = kv_lens.shape[0]
-        if bs > 65535:
-            raise ValueError(f"batch size {bs} exceeds the 65,535 requests one launch supports")
+        bs = self._check_batch_tensors(kv_lens, block_table, q_len, tree_mask, req_pool_indices)
         _check(q, "q", torch.bfloat16, shape=(bs * q_len, H, D))
         if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
             raise ValueError(f"q must have a contiguous last dim, even strides and 4-byte alignment; strides {q.stride()}")
-        if kv_cache.dim() == 3:
-            if kv_cache.shape[1] != 1:
-                raise ValueError(f"kv_cache must be [num_slots, {D}] or [num_slots, 1, {D}], got {tuple(kv_cache.shape)}")
-            kv2 = kv_cache.select(1, 0)
-        else:
-            kv2 = kv_cache
-        _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
-        if kv2.shape[1] != D:
-            raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
-        if kv2.stride(1) != 1 or (kv2.stride(0) * 2) % lw_bytes or kv2.data_ptr() % lw_bytes:
-            raise ValueError(
-                f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for load_width {v.load_width}; "
-                f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
-        _check(block_table, "block_table", torch.int32, ndim=2)
-        if block_table.stride(1) != 1:
-            raise ValueError("block_table must have a contiguous last dim")
-        if req_pool_indices is not None:
-            if req_pool_indices.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"req_pool_indices must be int32 or int64, got {req_pool_indices.dtype}")
-            _check(req_pool_indices, "req_pool_indices", req_pool_indices.dtype, shape=(bs,))
-            if not req_pool_indices.is_contiguous():
-                raise ValueError("req_pool_indices must be contiguous")
-        elif block_table.shape[0] < bs:
-            raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {bs} (pass req_pool_indices?)")
-        if v.mask == "tree":
-            if tree_mask is None:
-                raise ValueError(f"{v.uri} uses a tree mask: pass tree_mask int64 [bs, q_len]")
-            _check(tree_mask, "tree_mask", torch.int64, shape=(bs, q_len))
-            if tree_mask.stride(1) != 1:
-                raise ValueError("tree_mask must have a contiguous last dim")
+        kv2 = self.check_kv_cache(kv_cache)
         if out is None:
             out = torch.empty(bs * q_len, H, DV, dtype=torch.bfloat16, device=q.device)
         _check(out, "out", torch.bfloat16, shape=(bs * q_len, H, DV))
@@ -249,26 +233,129 @@ class VerifyKernel:
                 raise ValueError(f"lse must have a contiguous last dim and non-overlapping rows; strides {lse.stride()}")
         if workspace is not None:
             _check(workspace, "workspace", torch.float32, ndim=1)
-        tensors = [q, kv2, block_table, kv_lens, out] + [t for t in (tree_mask, req_pool_indices, lse, workspace) if t is not None]
-        for t in tensors:
-            if t.device.type != "cuda":
-                raise ValueError(f"all tensors must be on a CUDA device; got a tensor on {t.device}")
-            if t.device != q.device:
-                raise ValueError(f"all tensors must be on {q.device}; got a tensor on {t.device}")
+        _check_devices(q.device, [q, kv2, block_table, kv_lens, out, tree_mask, req_pool_indices, lse, workspace])
         splits = self.num_splits(bs, q.device)
-        rows_max = v.rows_max
-        need = bs * splits * rows_max * (DV + 1)
+        workspace = self._checked_workspace(workspace, bs, splits, q.device, dict(
+            q=q, kv_cache=kv2, block_table=block_table, kv_lens=kv_lens, out=out, lse=lse, tree_mask=tree_mask,
+            req_pool_indices=req_pool_indices))
+        return self._launch(q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse,
+                            bs, q_len, splits, softmax_scale)
+
+    # ---- per-batch validation + per-layer launch (the SGLang backend's path)
+    def check_batch(self, kv_lens, block_table, *, q_len: int, tree_mask=None, req_pool_indices=None,
+                    workspace=None) -> "VerifyBatch":
+        """Validate a batch's metadata once for :meth:`launch` (every layer of a step shares it).
+
+        Args: as :meth:`__call__` (kv_lens int32 [bs], block_table int32 [rows, pages], tree_mask int64
+            [bs, q_len] for tree variants, req_pool_indices int32/int64 [bs], workspace fp32 1-D; a
+            workspace is allocated when None). All on one CUDA device.
+        Returns:
+            A :class:`VerifyBatch` holding these tensors, the batch size and the split count.
+        Raises:
+            ValueError: as :meth:`__call__` for these tensors (dtype, shape, device, strides, workspace size,
+                alignment or overlap).
+        """
+        v = self.variant
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
+            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        bs = self._check_batch_tensors(kv_lens, block_table, q_len, tree_mask, req_pool_indices)
+        if workspace is not None:
+            _check(workspace, "workspace", torch.float32, ndim=1)
+        dev = kv_lens.device
+        _check_devices(dev, [kv_lens, block_table, tree_mask, req_pool_indices, workspace])
+        splits = self.num_splits(bs, dev)
+        workspace = self._checked_workspace(workspace, bs, splits, dev, dict(
+            block_table=block_table, kv_lens=kv_lens, tree_mask=tree_mask, req_pool_indices=req_pool_indices))
+        return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace)
+
+    def check_kv_cache(self, kv_cache) -> torch.Tensor:
+        """Validate a KV cache for this variant; returns its [num_slots, D] view.
+
+        Args:
+            kv_cache: bf16 [num_slots, D] or [num_slots, 1, D] (D = 576), rows contiguous and aligned to
+                the variant's load width (16 B for bulk).
+        Raises:
+            ValueError: wrong dtype, shape, strides or alignment.
+        """
+        v = self.variant
+        D = v.dim_qk
+        lw_bytes = 16 if v.load_width == "bulk" else v.load_width // 8
+        if not isinstance(kv_cache, torch.Tensor):
+            raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        if kv_cache.dim() == 3:
+            if kv_cache.shape[1] != 1:
+                raise ValueError(f"kv_cache must be [num_slots, {D}] or [num_slots, 1, {D}], got {tuple(kv_cache.shape)}")
+            kv2 = kv_cache.select(1, 0)
+        else:
+            kv2 = kv_cache
+        _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
+        if kv2.shape[1] != D:
+            raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
+        if kv2.stride(1) != 1 or (kv2.stride(0) * 2) % lw_bytes or kv2.data_ptr() % lw_bytes:
+            raise ValueError(
+                f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for load_width {v.load_width}; "
+                f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
+        return kv2
+
+    def launch(self, batch: "VerifyBatch", q, kv_cache, out, softmax_scale: float, lse=None):
+        """Launch on a batch from :meth:`check_batch` without re-checking anything; returns ``(out, lse)``.
+
+        The caller guarantees what :meth:`__call__` would check: q bf16 [bs*q_len, H, 576] and out bf16
+        [bs*q_len, H, 512] (lse fp32 [bs*q_len, H] or None) with contiguous last dims, even strides and
+        4-byte alignment, kv_cache passed by :meth:`check_kv_cache`, all on the batch's device, none
+        overlapping the workspace; softmax_scale a finite float > 0. A wrong tensor is undefined
+        behavior (out-of-bounds reads), not an error: use :meth:`__call__` for unchecked inputs.
+        CUDA-graph safe (no allocation, no synchronization).
+        """
+        return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
+                            batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale)
+
+    def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:
+        """dtype / shape / stride checks of the per-batch tensors; returns bs."""
+        v = self.variant
+        _check(kv_lens, "kv_lens", torch.int32, ndim=1)
+        if not kv_lens.is_contiguous():
+            raise ValueError("kv_lens must be contiguous")
+        bs = kv_lens.shape[0]
+        if bs > 65535:
+            raise ValueError(f"batch size {bs} exceeds the 65,535 requests one launch supports")
+        _check(block_table, "block_table", torch.int32, ndim=2)
+        if block_table.stride(1) != 1:
+            raise ValueError("block_table must have a contiguous last dim")
+        if req_pool_indices is not None:
+            if not isinstance(req_pool_indices, torch.Tensor) or req_pool_indices.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"req_pool_indices must be int32 or int64, got {getattr(req_pool_indices, 'dtype', req_pool_indices)}")
+            _check(req_pool_indices, "req_pool_indices", req_pool_indices.dtype, shape=(bs,))
+            if not req_pool_indices.is_contiguous():
+                raise ValueError("req_pool_indices must be contiguous")
+        elif block_table.shape[0] < bs:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {bs} (pass req_pool_indices?)")
+        if v.mask == "tree":
+            if tree_mask is None:
+                raise ValueError(f"{v.uri} uses a tree mask: pass tree_mask int64 [bs, q_len]")
+            _check(tree_mask, "tree_mask", torch.int64, shape=(bs, q_len))
+            if tree_mask.stride(1) != 1:
+                raise ValueError("tree_mask must have a contiguous last dim")
+        return bs
+
+    def _checked_workspace(self, workspace, bs: int, splits: int, device, others: dict) -> torch.Tensor:
+        """The workspace for (bs, splits), allocated when None; checks size, alignment, no overlap with ``others``."""
+        need = bs * splits * self.variant.rows_max * (self.variant.dim_v + 1)
         if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+            workspace = torch.empty(need, dtype=torch.float32, device=device)
         _check(workspace, "workspace", torch.float32, ndim=1)
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
                              f"(alloc_workspace({bs})), got {workspace.numel()}")
         ws_lo, ws_hi = workspace.data_ptr(), workspace.data_ptr() + need * 4
-        for name, t in (("q", q), ("kv_cache", kv2), ("block_table", block_table), ("kv_lens", kv_lens), ("out", out),
-                        ("lse", lse), ("tree_mask", tree_mask), ("req_pool_indices", req_pool_indices)):
+        for name, t in others.items():
             if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
                 raise ValueError(f"workspace overlaps {name}")
+        return workspace
+
+    def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
+                softmax_scale):
+        rows_max, DV = self.variant.rows_max, self.variant.dim_v
         o_part = workspace.data_ptr()
         lse_part = o_part + bs * splits * rows_max * DV * 4
         stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -292,6 +379,31 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) that a strided tensor can touch."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_devices(device, tensors) -> None:
+    """Every tensor (None skipped) on ``device``, a CUDA device."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise ValueError(f"all tensors must be on a CUDA device; got a tensor on {t.device}")
+        if t.device != device:
+            raise ValueError(f"all tensors must be on {device}; got a tensor on {t.device}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """A batch's metadata validated by :meth:`VerifyKernel.check_batch` (tensors as passed to it)."""
+
+    bs: int
+    q_len: int
+    splits: int
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    tree_mask: torch.Tensor | None
+    req_pool_indices: torch.Tensor | None
+    workspace: torch.Tensor
 
 
 def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: int | None = None) -> None:

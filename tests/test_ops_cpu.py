@@ -1,5 +1,7 @@
 """Tensor checks of the Python wrapper: every bad input raises ValueError before any launch."""
 
+import types
+
 import pytest
 import torch
 
@@ -198,3 +200,97 @@ def test_load_module_refuses_a_second_file_under_one_name(tmp_path):
     assert load_module(name, shutil.copy(sos[0], other_cache / "renamed.so")) is first  # same bytes
     with pytest.raises(ImportError, match="already loaded from"):
         load_module(name, sos[1])
+
+
+def test_workspace_numel_is_constant_time_and_exact(monkeypatch):
+    """workspace_numel(bs) (auto) is the max over every batch size up to bs, and a repeated call costs no
+    split-count search (it ran one per batch size, every eager step)."""
+    import mlagen.ops as ops
+
+    calls = []
+    real = ops.auto_num_splits
+
+    def counting(units, slots, max_splits=ops.MAX_SPLITS):
+        calls.append(units)
+        return real(units, slots, max_splits)
+
+    monkeypatch.setattr(ops, "auto_num_splits", counting)
+    monkeypatch.setattr(ops, "_PREFIX_MAX", {}, raising=False)
+    slots = int(torch.randint(100, 300, (1,)))
+    a = _kernel(nsplit="auto")
+    a._sm[0] = slots
+    dev = torch.device("cuda", 0)
+    v = a.variant
+    per_req = v.row_blocks * v.ctas_per_row_block
+    bs = int(torch.randint(200, 400, (1,)))
+    want = max(b * real(b * per_req, slots) for b in range(1, bs + 1)) * v.rows_max * (v.dim_v + 1)
+    assert a.workspace_numel(bs, dev) == want
+    calls.clear()
+    for n in (bs, bs - 7, 1, bs):
+        a.workspace_numel(n, dev)
+    assert len(calls) <= 4, f"{len(calls)} split-count searches for 4 sizes already seen"
+    f = _kernel(nsplit=32)
+    assert f.workspace_numel(bs) == bs * 32 * f.variant.rows_max * (f.variant.dim_v + 1)
+
+
+class _ArgsModule(RecordingModule):
+    def run(self, *args):
+        self.calls += 1
+        self.args = args
+
+
+def _on_gpu(monkeypatch):
+    """Pretend every tensor is on a GPU (the launch itself is recorded, not run)."""
+    import contextlib
+
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+
+
+def test_check_batch_then_launch_equals_the_checked_call(monkeypatch):
+    """The backend's path (check_batch once, launch per layer) launches exactly what __call__ does, and
+    launch itself checks nothing."""
+    import mlagen.ops as ops
+
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _ArgsModule()
+    d = _inputs(bs=3)
+    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
+    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
+    scale = float(torch.rand(1)) + 0.01
+    _call(k, d, out=out, workspace=ws, softmax_scale=scale)
+    want = k.module.args
+    batch = k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=ws)
+    kv = k.check_kv_cache(d["kv_cache"].view(100, 1, 576))
+    assert kv.shape == (100, 576)
+
+    def no_checks(*a, **kw):
+        raise AssertionError("launch re-checked a tensor")
+
+    monkeypatch.setattr(ops, "_check", no_checks)
+    monkeypatch.setattr(ops, "_check_devices", no_checks, raising=False)
+    k.launch(batch, d["q"], d["kv_cache"].view(100, 1, 576), out, scale)
+    assert k.module.calls == 2 and k.module.args == want
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(kv_lens=d["kv_lens"].long()), "kv_lens must be torch.int32"),
+    (lambda d: d.update(block_table=d["block_table"][:1]), "block_table has 1 rows for a batch of 2"),
+    (lambda d: d.update(tree_mask=None), "uses a tree mask"),
+    (lambda d: d.update(tree_mask=d["tree_mask"][:, :3]), "tree_mask must have shape (2, 9)"),
+    (lambda d: d.update(workspace=torch.empty(10, dtype=torch.float32)), "workspace must be contiguous, 16-byte aligned"),
+])
+def test_check_batch_rejects_bad_metadata(monkeypatch, mutate, message):
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    d = _inputs()
+    d["workspace"] = torch.empty(k.workspace_numel(2), dtype=torch.float32)
+    mutate(d)
+    with pytest.raises(ValueError) as e:
+        k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=d["workspace"])
+    assert message in str(e.value)
+    with pytest.raises(ValueError, match="kv_cache last dim must be 576"):
+        k.check_kv_cache(d["kv_cache"][:, :512])
+    assert k.module.calls == 0

@@ -229,14 +229,23 @@ class _Variant:
 
 
 class _Kernel:
+    """A kernel stand-in for the metadata tests: records check_batch calls (validation is ops' own test)."""
+
     def __init__(self, q_len, mask):
         self.variant = _Variant(q_len, mask)
+        self.batches = []
 
     def workspace_numel(self, bs, device=None):
         return 8 * bs
 
     def alloc_workspace(self, bs, device):
         return torch.zeros(self.workspace_numel(bs), dtype=torch.float32, device=device)
+
+    def check_batch(self, kv_lens, block_table, *, q_len, tree_mask=None, req_pool_indices=None, workspace=None):
+        b = types.SimpleNamespace(bs=kv_lens.shape[0], q_len=q_len, kv_lens=kv_lens, block_table=block_table,
+                                  tree_mask=tree_mask, workspace=workspace)
+        self.batches.append(b)
+        return b
 
 
 class _Fallback:
@@ -435,12 +444,29 @@ from mlagen.reference import mla_verify_reference  # noqa: E402
 
 
 class _RefKernel:
-    """CPU stand-in for a loaded ``VerifyKernel``: mlagen's torch reference written into ``out``."""
+    """CPU stand-in for a loaded ``VerifyKernel``: mlagen's torch reference written into ``out``, with
+    the checked call (``__call__``) and the per-batch check + unchecked per-layer ``launch`` path."""
 
     def __init__(self, H, q_len, mask, page_size):
         self.variant = types.SimpleNamespace(heads=H, q_len=q_len, mask=mask, page_size=page_size,
                                              kv_lora_rank=512, dim_v=512, dim_qk=576)
         self.calls = 0
+        self.counts = {"check_batch": 0, "check_kv_cache": 0, "launch": 0, "call": 0}
+
+    def check_batch(self, kv_lens, block_table, *, q_len, tree_mask=None, req_pool_indices=None, workspace=None):
+        self.counts["check_batch"] += 1
+        assert kv_lens.dtype == torch.int32 and block_table.dtype == torch.int32 and 1 <= q_len <= self.variant.q_len
+        return types.SimpleNamespace(bs=kv_lens.shape[0], q_len=q_len, kv_lens=kv_lens, block_table=block_table,
+                                     tree_mask=tree_mask, workspace=workspace)
+
+    def check_kv_cache(self, kv_cache):
+        self.counts["check_kv_cache"] += 1
+        assert kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == 576
+
+    def launch(self, batch, q, kv_cache, out, softmax_scale, lse=None):
+        self.counts["launch"] += 1
+        return self._run(q, kv_cache, batch.block_table, batch.kv_lens, batch.q_len, softmax_scale, batch.tree_mask,
+                         out)
 
     def workspace_numel(self, bs, device=None):
         return 8 * bs
@@ -450,13 +476,17 @@ class _RefKernel:
 
     def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len, softmax_scale, tree_mask=None,
                  req_pool_indices=None, out=None, lse=None, workspace=None):
+        self.counts["call"] += 1
+        return self._run(q, kv_cache, block_table, kv_lens, q_len, softmax_scale, tree_mask, out)
+
+    def _run(self, q, kv_cache, block_table, kv_lens, q_len, softmax_scale, tree_mask, out):
         self.calls += 1
         assert q.shape == (kv_lens.shape[0] * q_len, self.variant.heads, 576) and out.shape[0] == q.shape[0]
         o, _ = mla_verify_reference(q, kv_cache, block_table, kv_lens, q_len=q_len,
                                     page_size=self.variant.page_size, softmax_scale=softmax_scale,
                                     mask=self.variant.mask, tree_mask=tree_mask)
         out.copy_(o.to(out.dtype))
-        return out, lse
+        return out, None
 
 
 class _Pool:
@@ -775,3 +805,26 @@ def test_block_table_refresh_sized_from_host_lengths(ps):
         m = be.forward_metadata
         assert m.block_table.shape == (3, min(cols, pages))
         assert torch.equal(m.block_table, (r2t[rpi][:, ::ps] // ps)[:, : m.block_table.shape[1]])
+
+
+def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):
+    """Host time per eager step: the batch metadata is validated once (init_forward_metadata), each
+    layer's pool buffer once per backend, and every layer launches without re-checking; outputs still
+    match the reference layer by layer."""
+    gen = torch.Generator().manual_seed(50)
+    n_layers = 4
+    s = _verify_setup(gen, layers=n_layers, bs=2)
+    k = s.be.verify_kernel
+    for step in range(2):
+        s.be.init_forward_metadata(s.fb)
+        for lid in range(n_layers):
+            scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+            out = s.be.forward_extend(s.q, s.k, s.k[..., :512], _layer(s.H, scale, layer_id=lid), s.fb)
+            want = _expected(s, s.pool.kv_buffer[lid], scale)
+            assert (out.float().view(-1, s.H, 512) - want).abs().max().item() < 2e-2
+        assert k.counts == {"check_batch": step + 1, "check_kv_cache": n_layers, "launch": n_layers * (step + 1),
+                            "call": 0}
+    # a q that does not fit the checked batch goes through the checked call (a clear error there)
+    s.be.init_forward_metadata(s.fb)
+    s.be.forward_extend(s.q.float(), s.k, s.k[..., :512], _layer(s.H, 0.1), s.fb)
+    assert k.counts["call"] == 1

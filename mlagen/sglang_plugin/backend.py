@@ -55,6 +55,7 @@ class MlagenMetadata:
     block_table: torch.Tensor  # int32 [bs, >= pages]
     tree_mask: Optional[torch.Tensor]  # int64 [bs, q_len] or None
     workspace: torch.Tensor  # fp32 1-D
+    batch: Any = None  # mlagen.ops.VerifyBatch: the above, validated once for every layer's launch
 
 
 class MlagenAttnBackend(_Base):
@@ -97,6 +98,7 @@ class MlagenAttnBackend(_Base):
         self._cols = md.page_columns(width, self.page_size, self.device)
         self._causal = {}
         self._eager_ws = {}
+        self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
         self._graph = None
         self._graph_dims = None
         self._fallback_graph_ready = False
@@ -220,8 +222,10 @@ class MlagenAttnBackend(_Base):
                     tree[:real].copy_(self._pack_tree(custom, seq_lens[:real], real, q_len))
                 if npad > 0:
                     tree[real:bs].zero_()
-        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens[:bs],
-                              block_table=table[:bs], tree_mask=tree, workspace=ws)
+        kv_lens, table = kv_lens[:bs], table[:bs]
+        batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
+        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
+                              tree_mask=tree, workspace=ws, batch=batch)
 
     # ---------------------------------------------------------------- metadata API
     def init_forward_metadata(self, forward_batch):
@@ -329,9 +333,18 @@ class MlagenAttnBackend(_Base):
         if qv.stride(-1) != 1:
             qv = qv.contiguous()
         out = q.new_empty((qv.shape[0], H, DV))
-        meta.kernel(qv, self.token_to_kv_pool.get_key_buffer(layer.layer_id), meta.block_table,
-                    meta.kv_lens, q_len=meta.q_len, softmax_scale=float(layer.scaling) * k_descale,
-                    tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
+        kernel, batch = meta.kernel, meta.batch
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        scale = float(layer.scaling) * k_descale
+        if self._kv_checked.get(layer.layer_id) != kv.data_ptr():  # each layer's pool buffer, once
+            kernel.check_kv_cache(kv)
+            self._kv_checked[layer.layer_id] = kv.data_ptr()
+        if (qv.dtype == torch.bfloat16 and qv.shape[0] == batch.bs * batch.q_len and H == kernel.variant.heads
+                and D == kernel.variant.dim_qk and DV == kernel.variant.dim_v and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4)):
+            kernel.launch(batch, qv, kv, out, scale)  # the batch was checked in init_forward_metadata*
+        else:  # the checked call: a clear ValueError for what does not fit
+            kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
+                   tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
         if v_descale != 1.0:
             out.mul_(v_descale)
         return out.view(-1, H * DV)
