@@ -58,7 +58,9 @@ class _BuildProgress:
         self.plain = not console.is_terminal
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.bar = None if self.plain else _progress()
+        self.bar = None if self.plain else Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("variants"),
+            TimeElapsedColumn(), console=console, transient=True)
         self.task = None
 
     def __enter__(self):
@@ -95,7 +97,7 @@ class _BuildProgress:
             if self.task is None:
                 self.task = self.bar.add_task("", total=p.variants_total)
             self.bar.update(self.task, completed=p.variants_done, total=p.variants_total,
-                            description=f"compiling: {p.modules_done}/{p.modules_total} modules, variants")
+                            description=f"compiling: {p.modules_done}/{p.modules_total} modules")
         elif not first and (p.modules_done == p.modules_total or time.monotonic() - self.last_line >= self.interval):
             self._print(f"compiled {self._counts(p)}" + (f"; last {p.last}" if p.last else ""))
 
