@@ -18,7 +18,8 @@
 // exchange by one mbarrier per (buffer, warp) in each CTA, double buffered. Both CTAs write their
 // halves of o_part; rank 0 writes lse_part. The combine kernel (mla_verify_combine.cuh) is shared
 // with the rowblock schedule. Only mma.sync, ldmatrix, cp.async.bulk (no multicast), mbarrier and
-// cluster shared memory: the same code runs on sm_90 and sm_120.
+// cluster shared memory: the same code runs on sm_90 and sm_120. Diagnostic builds honour MLAGEN_ABLATE
+// (mla_verify_partial.cuh; here 16 drops the score exchange instead of the in-tile barriers).
 // Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16"; P from the S accumulators as the
 // A operand of the next MMA is the register reuse of FlashAttention-2 (Dao, 2023).
 #pragma once
@@ -211,9 +212,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
       __nv_bfloat16* dst_stage = kv_smem + stage * Cfg::kStageElems;
       if constexpr (Cfg::kBulkLoad) {
-        if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kTokenBytes);
+        const bool copy = !(kAblate & kAblateLoads);
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, copy ? static_cast<uint32_t>(valid) * Cfg::kTokenBytes : 0u);
         __syncwarp();
-        if (lane < valid) {
+        if (copy && lane < valid) {
           __nv_bfloat16* dst = dst_stage + lane * Cfg::kKvRowElems;
           const __nv_bfloat16* src = p.kv + slot * p.kv_stride_slot;
           ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
@@ -224,14 +226,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         }
       } else {
         // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
-        for (int n = 0; n < valid; ++n) {
+        for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : valid); ++n) {
           const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
           ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + lane * 8,
                                   p.kv + sn * p.kv_stride_slot + rank * Cfg::kLatentHalf + lane * 8, true);
         }
         if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
           constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
-          for (int n0 = 0; n0 < valid; n0 += kTokPerInstr) {
+          for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += kTokPerInstr) {
             const int n = n0 + lane / Cfg::kRopeChunks;
             const int c = lane % Cfg::kRopeChunks;
             const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
@@ -311,7 +313,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+      for (int ks = 0; ks < ((kAblate & kAblateScores) ? 0 : Cfg::kKSteps); ++ks) {
         uint32_t qa_smem[4];
         if (ks >= Cfg::kQRegSteps) {  // matrices: (rows 0-7, k lo), (rows 8-15, k lo), (rows 0-7, k hi), (rows 8-15, k hi)
           ptx::ldmatrix_x4(qa_smem, q_warp_smem + ((m4 % 2) * 8 + lane % 8) * Cfg::kQSmemRowElems +
@@ -337,6 +339,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // Exchange buffer of sub-tile j in a CTA: [j & 1][warp][n8 tile][lane][4].
     auto xoff_of = [&](int j) { return ((j & 1) * Cfg::kRowTiles + warp) * Cfg::kXchgFloatsPerWarp; };
     auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
+      if constexpr (kAblate & kAblateBarriers) return;
       const int xoff = xoff_of(j);
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
@@ -348,11 +351,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // S = S_c + S_{1-c} (the same sum in both CTAs), mask, online softmax in registers; leaves P (fp32)
     // in s and rescales O.
     auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
-      ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kRowTiles + warp, static_cast<uint32_t>(j >> 1) & 1u);
+      if constexpr (!(kAblate & kAblateBarriers)) {
+        ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kRowTiles + warp, static_cast<uint32_t>(j >> 1) & 1u);
+      }
       const int xoff = xoff_of(j);
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const float4 v = *reinterpret_cast<const float4*>(xchg_smem + xoff + (nt * 32 + lane) * 4);
+        const float4 v = (kAblate & kAblateBarriers) ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                                     : *reinterpret_cast<const float4*>(xchg_smem + xoff + (nt * 32 + lane) * 4);
         s[nt][0] = (s[nt][0] + v.x) * scale_log2;
         s[nt][1] = (s[nt][1] + v.y) * scale_log2;
         s[nt][2] = (s[nt][2] + v.z) * scale_log2;
@@ -361,6 +367,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // first token of the sub-tile
       // A sub-tile wholly inside the prefix (all but the last one or two of a request) needs no mask
       // test; the draft rows' mask bits are read (from L1) only for the others.
+      if constexpr (kAblate & kAblateSoftmax) return;
       if (key0 + Cfg::kSubTile > prefix_len) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -415,7 +422,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       const __nv_bfloat16* kv_sub = sub_kv(j);
       const int token = (m4 % 2) * 8 + lane % 8;
 #pragma unroll
-      for (int nb = 0; nb < Cfg::kNTilesO / 2; ++nb) {
+      for (int nb = 0; nb < ((kAblate & kAblatePV) ? 0 : Cfg::kNTilesO / 2); ++nb) {
         // matrices: (tokens lo, dims 0-7), (tokens hi, dims 0-7), (tokens lo, dims 8-15), (tokens hi, dims 8-15)
         uint32_t vb[4];
         ptx::ldmatrix_x4_trans(vb, kv_sub + token * Cfg::kKvRowElems + nb * 16 + (m4 / 2) * 8);
