@@ -154,22 +154,47 @@ def test_nothing_installed_says_what_to_build():
 
 
 @pytest.mark.parametrize("kw, text", [
-    (dict(architectures=("LlamaForCausalLM",), is_mla=False), "is not an MLA model of the DeepSeek-V3 / Kimi-K2"),
-    (dict(architectures=("DeepseekV32ForCausalLM",)), "is not an MLA model"),
+    (dict(architectures=("LlamaForCausalLM",), is_mla=False), "does not run SGLang's MLA attention"),
+    (dict(architectures=("DeepseekV32ForCausalLM",), uses_sparse_attention=True), "sparse attention"),
     (dict(uses_sparse_attention=True), "sparse attention"),
     (dict(kv_cache_dtype="float8_e4m3fn"), "KV cache dtype float8_e4m3fn is not supported"),
-    (dict(draft_attention_backend=None), "pass --speculative-draft-attention-backend triton"),
     (dict(is_draft_worker=True), "serves the target model only"),
     (dict(spec_algorithm="NGRAM"), "speculative algorithm NGRAM is not supported"),
     (dict(num_draft_tokens=65), "exceed the kernel's tree-mask limit"),
     (dict(dcp_size=2), "decode context parallelism"),
     (dict(kv_pool_translating=True), "translating"),
-    (dict(prefill_attention_backend="fa3"), "not split prefill/decode backends"),
     (dict(sglang_version="0.5.12"), "SGLang 0.5.12 is not supported"),
 ])
 def test_model_and_server_rejected(kw, text):
     with pytest.raises(MlagenSetupError, match=text):
         checks.run_startup_checks(_facts(**kw), _state(_entry()))
+
+
+@pytest.mark.parametrize("kw, serves_verify, note", [
+    # no draft backend named: SGLang gives the draft its default draft backend (mlagen is not one)
+    (dict(draft_attention_backend=None), True, "no --speculative-draft-attention-backend"),
+    # split backends: verify goes to the decode backend under --speculative-attention-mode decode
+    (dict(prefill_attention_backend="fa3", decode_attention_backend="mlagen", speculative_attention_mode="decode"),
+     True, None),
+    (dict(prefill_attention_backend="mlagen", decode_attention_backend="fa3"), True, None),
+    (dict(prefill_attention_backend="fa3", decode_attention_backend="mlagen"), False, "target verify runs on fa3"),
+    # another architecture on SGLang's MLA code, with a matching installed variant
+    (dict(architectures=("MistralLarge3ForCausalLM",)), True, "not among the tested"),
+])
+def test_valid_deployments_accepted(kw, serves_verify, note):
+    """Refuse only what mlagen cannot serve: these deployments start, verify on mlagen where SGLang
+    routes target verify to it."""
+    sel = checks.run_startup_checks(_facts(**kw), _state(_entry(), _entry(uri="dec", role="decode", q_len=1,
+                                                                             mask="causal")))
+    assert (sel.verify is not None) == serves_verify and sel.decode["uri"] == "dec"
+    if serves_verify:
+        assert sel.verify["uri"] == "mla_verify_h16_q4_tree"
+    if note:
+        assert any(note in n for n in sel.notes), sel.notes
+    # the variants must still match the model
+    with pytest.raises(MlagenSetupError, match="kv_lora_rank 512 != 256"):
+        checks.run_startup_checks(_facts(**dict(kw, kv_lora_rank=256)),
+                                  _state(_entry(), _entry(uri="dec", role="decode", q_len=1, mask="causal")))
 
 
 def test_arch_mismatch():

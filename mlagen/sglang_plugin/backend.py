@@ -320,6 +320,8 @@ class MlagenAttnBackend(_Base):
             raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
             raise NotImplementedError("mlagen backend: logit capping is not supported")
+        if (getattr(layer, "sliding_window_size", -1) or -1) > 0:
+            raise NotImplementedError("mlagen backend: sliding-window attention layers are not supported")
         k_descale, v_descale = kv_descales(layer)
         if save_kv_cache and k is not None:
             from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -427,6 +429,7 @@ def gather_facts(runner) -> ServerFacts:
         num_draft_tokens=spec.speculative_num_draft_tokens,
         eagle_topk=spec.speculative_eagle_topk,
         draft_attention_backend=spec.speculative_draft_attention_backend,
+        speculative_attention_mode=str(getattr(spec, "speculative_attention_mode", None) or "prefill"),
         prefill_attention_backend=getattr(runner, "prefill_attention_backend_str", BACKEND_NAME),
         decode_attention_backend=getattr(runner, "decode_attention_backend_str", BACKEND_NAME),
         is_draft_worker=bool(getattr(runner, "is_draft_worker", False)),

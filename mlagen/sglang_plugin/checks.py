@@ -21,12 +21,16 @@ SGLANG_MIN_VERSION = "0.5.22"
 SGLANG_MAX_VERSION_EXCLUSIVE = "0.5.24"
 SUPPORTED_SGLANG_RANGE = f">={SGLANG_MIN_VERSION},<{SGLANG_MAX_VERSION_EXCLUSIVE}"
 
-# DeepSeek-V2/V3 and Kimi-K2 family checkpoints served by SGLang's deepseek_v2.py MLA code.
-SUPPORTED_ARCHITECTURES = (
+# DeepSeek-V2/V3 and Kimi-K2 family checkpoints served by SGLang's deepseek_v2.py MLA code, the ones the
+# tests build. Any other architecture SGLang runs as dense MLA (ModelConfig.attention_arch MLA: e.g.
+# MistralLarge3, LongcatFlash, GigaChat35) is served when an installed variant matches its heads,
+# kv_lora_rank and qk_rope_head_dim; the layer's scaling is used as is.
+TESTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "KimiK25ForConditionalGeneration",
 )
+SUPPORTED_ARCHITECTURES = TESTED_ARCHITECTURES  # the previous name
 # Speculative algorithms whose target verify carries an EagleVerifyInput tree mask.
 SUPPORTED_SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 MAX_TREE_DRAFT_TOKENS = 64  # the kernel's tree mask is one int64 bitmask per query row
@@ -61,6 +65,7 @@ class ServerFacts:
     draft_attention_backend: Optional[str] = None
     prefill_attention_backend: Optional[str] = "mlagen"
     decode_attention_backend: Optional[str] = "mlagen"
+    speculative_attention_mode: str = "prefill"  # --speculative-attention-mode: which backend verifies
     is_draft_worker: bool = False
     uses_sparse_attention: bool = False
     dcp_size: int = 1
@@ -74,6 +79,18 @@ class ServerFacts:
     @property
     def speculative(self) -> bool:
         return self.spec_algorithm is not None
+
+    @property
+    def verify_backend(self) -> Optional[str]:
+        """The backend SGLang routes target verify to (HybridAttnBackend: the decode backend under
+        --speculative-attention-mode decode, else the prefill backend)."""
+        return (self.decode_attention_backend if self.speculative_attention_mode == "decode"
+                else self.prefill_attention_backend)
+
+    @property
+    def serves_verify(self) -> bool:
+        """Speculative decoding with target verify routed to mlagen."""
+        return self.speculative and self.verify_backend == "mlagen"
 
 
 @dataclasses.dataclass
@@ -118,10 +135,10 @@ def check_model(f: ServerFacts) -> None:
             "backend: pass --speculative-draft-attention-backend triton (or flashinfer / fa3)."
         )
     archs = tuple(f.architectures or ())
-    if not f.is_mla or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not f.is_mla:
         raise MlagenSetupError(
-            f"mlagen: model architecture {list(archs)} is not an MLA model of the DeepSeek-V3 / Kimi-K2 "
-            f"family (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); use another --attention-backend."
+            f"mlagen: model architecture {list(archs)} does not run SGLang's MLA attention (mlagen serves "
+            f"MLA models such as {', '.join(TESTED_ARCHITECTURES)}); use another --attention-backend."
         )
     if f.uses_sparse_attention:
         raise MlagenSetupError(
@@ -158,16 +175,6 @@ def check_model(f: ServerFacts) -> None:
             raise MlagenSetupError(
                 f"mlagen: {f.num_draft_tokens} draft tokens exceed the kernel's tree-mask limit of "
                 f"{MAX_TREE_DRAFT_TOKENS}."
-            )
-        if not f.draft_attention_backend or f.draft_attention_backend == "mlagen":
-            raise MlagenSetupError(
-                "mlagen: with speculative decoding the draft model needs its own attention backend: "
-                "pass --speculative-draft-attention-backend triton (or flashinfer / fa3)."
-            )
-        if f.prefill_attention_backend != f.decode_attention_backend:
-            raise MlagenSetupError(
-                "mlagen: use --attention-backend mlagen (not split prefill/decode backends): SGLang "
-                "routes target verify to the prefill backend, so a split setup would bypass mlagen."
             )
 
 
@@ -222,13 +229,23 @@ def _pick(entries: list, f: ServerFacts, role: str, q_len_needed: int, masks_ok:
 def select_entries(state: Optional[dict], f: ServerFacts) -> Selection:
     """Choose the installed entries for this server, or raise :class:`MlagenSetupError`.
 
-    Verify (speculative runs only): heads/page_size/kv_lora_rank/rope must match, q_len >= draft
+    Verify (speculative runs whose target verify SGLang routes to mlagen): heads/page_size/kv_lora_rank/rope must match, q_len >= draft
     tokens, mask 'tree' when the draft is a tree (topk > 1), 'causal' or 'tree' for a chain.
     Decode: optional; when decode entries are installed one of them must match.
     """
     notes = []
+    archs = tuple(f.architectures or ())
+    if archs and not any(a in TESTED_ARCHITECTURES for a in archs):
+        notes.append(f"architecture {list(archs)} runs SGLang's MLA attention but is not among the tested "
+                     f"{', '.join(TESTED_ARCHITECTURES)}; served by the installed variants that match it")
+    if f.speculative and not f.draft_attention_backend:
+        notes.append("no --speculative-draft-attention-backend: SGLang gives the draft model its default "
+                     "draft backend (mlagen is not a draft backend)")
+    if f.speculative and not f.serves_verify:
+        notes.append(f"target verify runs on {f.verify_backend} (--speculative-attention-mode "
+                     f"{f.speculative_attention_mode}); mlagen serves the modes routed to it")
     if state is None or not state.get("entries"):
-        if f.speculative:
+        if f.serves_verify:
             q = int(f.num_draft_tokens or 1)
             raise MlagenSetupError(
                 "mlagen: no mlagen kernels are installed (installed.json missing or empty). "
@@ -245,7 +262,7 @@ def select_entries(state: Optional[dict], f: ServerFacts) -> Selection:
         )
     entries = state["entries"]
     verify = None
-    if f.speculative:
+    if f.serves_verify:
         q = int(f.num_draft_tokens)
         tree = (f.eagle_topk or 1) > 1
         masks_ok = ("tree",) if tree else ("causal", "tree")
@@ -255,7 +272,7 @@ def select_entries(state: Optional[dict], f: ServerFacts) -> Selection:
         decode = _pick(entries, f, "decode", 1, ("causal", "none", "tree"), "causal")
     elif f.speculative:
         notes.append("no decode variant installed: non-speculative decode batches run SGLang's Triton kernel")
-    if not f.speculative and decode is None:
+    if not f.serves_verify and decode is None and not f.speculative:
         raise MlagenSetupError(
             "mlagen: without speculative decoding mlagen only serves decode, and no decode variant is "
             "installed. " + _build_hint(f, "decode", 1, "causal")
