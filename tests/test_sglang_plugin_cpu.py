@@ -853,3 +853,33 @@ def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):
     s.be.init_forward_metadata(s.fb)
     s.be.forward_extend(s.q.float(), s.k, s.k[..., :512], _layer(s.H, 0.1), s.fb)
     assert k.counts["call"] == 1
+
+
+# ----------------------------------------------------------------------------- docs: heads per rank
+ATTENTION_HEADS = {"Kimi-K2": 64, "DeepSeek-V3": 128}  # num_attention_heads of the checkpoints' configs
+
+
+def test_heads_per_rank_in_readme_and_spec_comments():
+    """Every "<model> ... TP<n> → <h>" the README's install table states, and every spec comment's
+    "<model> (<N> attention heads) at TP<n>" with its heads_per_rank, is the model's heads / TP."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    row = next(l for l in (root / "README.md").read_text().splitlines() if l.endswith("| `heads_per_rank` |"))
+    claims = re.findall(r"(Kimi-K2|DeepSeek-V3): (\d+) heads, so ((?:TP\d+ → \d+(?:, )?)+)", row)
+    assert {m for m, _, _ in claims} == set(ATTENTION_HEADS), row
+    for model, n, pairs in claims:
+        assert int(n) == ATTENTION_HEADS[model], row
+        for tp, h in re.findall(r"TP(\d+) → (\d+)", pairs):
+            assert int(n) // int(tp) == int(h), (model, tp, h)
+    for spec in sorted((root / "specs").glob("*.yaml")):
+        text = spec.read_text()
+        heads = yaml.safe_load(text)["heads_per_rank"]
+        comment = " ".join(l.lstrip("# ") for l in text.splitlines() if l.startswith("#"))
+        found = re.findall(r"(Kimi-K2|DeepSeek-V3) \((\d+)(?: attention heads)?\)(?: has \d+)? at TP(\d+)", comment)
+        assert found, f"{spec.name}: the comment names no model / TP size: {comment!r}"
+        for model, n, tp in found:
+            assert int(n) == ATTENTION_HEADS[model] and int(n) // int(tp) == heads, (spec.name, model, n, tp)
