@@ -54,11 +54,15 @@ def summarize(report: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[st
 
 
 def forbidden_in_ptx(ptx_text: str) -> list[str]:
-    """Forbidden opcodes (wgmma, tcgen05, setmaxnreg) that appear as instructions in ``ptx_text``."""
+    """Forbidden opcodes (wgmma, tcgen05, setmaxnreg) that appear as instructions in ``ptx_text``, and
+    ".multicast" on any instruction (sm_120 has clusters but no hardware multicast: ptxas emulates
+    cp.async.bulk .multicast::cluster with a software call there)."""
     found = []
     for op in FORBIDDEN_PTX:
         if re.search(rf"^\s*(?:@!?%\w+\s+)?{op}\b", ptx_text, flags=re.MULTILINE):
             found.append(op)
+    if re.search(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.:]*\.multicast\b", ptx_text, flags=re.MULTILINE):
+        found.append(".multicast")
     return found
 
 

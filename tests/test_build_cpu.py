@@ -59,6 +59,11 @@ ptxas info    : Used 100 registers, used 1 barriers"""
     assert ptxas.forbidden_in_ptx("\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {..};") == ["wgmma"]
     assert ptxas.forbidden_in_ptx("  @%p1 setmaxnreg.inc.sync.aligned.u32 240;") == ["setmaxnreg"]
     assert ptxas.forbidden_in_ptx("\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 ...;\n// wgmma in a comment") == []
+    assert ptxas.forbidden_in_ptx(
+        "\tcp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%r1], [%rd2], 1152, [%r3], %rs1;"
+    ) == [".multicast"]
+    assert ptxas.forbidden_in_ptx("\tcp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd2], 512, [%r3];\n"
+                                  "\tmapa.shared::cluster.u32 %r4, %r5, %r6;\n\tst.shared::cluster.v4.f32 [%r4], {%f1, %f2, %f3, %f4};") == []
 
 
 @pytest.mark.slow
@@ -155,3 +160,30 @@ def test_ablation_build_drops_phases_and_default_is_the_full_kernel(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         counts[mask] = ptx.read_text().count("mma.sync.aligned")
     assert counts[0] > 0 and counts[2 | 8] == 0, counts
+
+
+@pytest.mark.slow
+def test_real_build_dimsplit_sm120_sm90(tmp_path, monkeypatch):
+    """The dimsplit schedule (two-CTA cluster, DSMEM score exchange) compiles for sm_120 and sm_90 with
+    0 spills, within sm_120's shared memory, using cluster PTX but no multicast / wgmma / setmaxnreg."""
+    from mlagen.build import build
+
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    spec = parse_spec(dict(name="ci_ds", heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", schedule="dimsplit",
+                           load_width=128, block_n=32, stages=3, row_tiles=5, mask="tree", arch=["sm_120", "sm_90"]))
+    rep = build(spec, jobs=2)
+    assert not rep.failed, rep.failed
+    (b,) = rep.built
+    assert b.variant.schedule == "dimsplit" and b.uri.endswith("_st3_dimsplit_tree_bf16_sm120_sm90")
+    for arch in ("sm_120", "sm_90"):
+        r = b.resources[arch]
+        assert r["smem"] <= 101376 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+    ptx = sorted(Path(ninja_gen.variant_outputs(b.variant)["keep"]).glob("*.ptx"))
+    assert {re.search(r"compute_(\d+)", p.name).group(1) for p in ptx} == {"120", "90"}
+    for p in ptx:
+        text = p.read_text()
+        assert ".maxclusterrank" in text or ".reqnctapercluster" in text or ".explicitcluster" in text
+        assert "mapa.shared::cluster" in text and "st.shared::cluster" in text and "barrier.cluster" in text
+        assert "mma.sync.aligned.m16n8k16" in text and "cp.async.mbarrier.arrive.noinc" in text
+        assert ptxas.forbidden_in_ptx(text) == []

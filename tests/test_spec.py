@@ -1,3 +1,4 @@
+import dataclasses
 import pytest
 
 from mlagen.feasibility import infeasible_reason, resources, split_feasible
@@ -9,14 +10,21 @@ BASE = dict(heads_per_rank=8, q_len=9)
 def test_shipped_specs_parse_and_sweep():
     s = load_spec("specs/kimi-k2-tp8-verify.yaml")
     vs = s.variants()
-    assert len(vs) == 2 * 4 * 2 * 2  # page_size x nsplit x load_width x row_tiles
+    assert len(vs) == 2 * 4 * 2 * 3 * 2 * 2  # page_size x nsplit x load_width x row_tiles x stages x schedule
     assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {"auto", 16, 32, 64}
+    assert {v.schedule for v in vs} == {"rowblock", "dimsplit"}
     assert {v.load_width for v in vs} == {"bulk", 128}
     assert all(v.heads == 8 and v.q_len == 9 and v.mask == "tree" for v in vs)
     assert all(v.archs == ("sm_120", "sm_90") for v in vs)
     assert len({v.uri for v in vs}) == len(vs)
     ok, bad = split_feasible(vs)
-    assert len(ok) == 32 and not bad
+    # rowblock: rt1/rt2 at 2 stages (3 stages and 5 row tiles exceed sm_120's shared memory); dimsplit:
+    # one cluster of 5 row tiles, 2 or 3 stages, both loaders
+    assert len([v for v in ok if v.schedule == "rowblock"]) == 32
+    assert all(v.row_tiles in (1, 2) and v.stages == 2 for v in ok if v.schedule == "rowblock")
+    assert len([v for v in ok if v.schedule == "dimsplit"]) == 16
+    assert all(v.row_tiles == 5 for v in ok if v.schedule == "dimsplit")
+    assert all(reason for _, reason in bad) and len(ok) + len(bad) == len(vs)
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
     assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
 
@@ -97,7 +105,9 @@ def test_infeasible_variants_are_dropped_with_reason():
 
 
 def test_glob_filter():
-    vs = load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
+    vs = [v for v in load_spec("specs/kimi-k2-tp8-verify.yaml").variants()
+          if v.schedule == "rowblock" and v.stages == 2 and v.row_tiles in (1, 2)]
+    assert len(vs) == 32
     sel = filter_by_glob(vs, "*_ps64_*_lw128_*")
     assert len(sel) == 8 and all(v.page_size == 64 and v.load_width == 128 for v in sel)
     sel = filter_by_glob(vs, "*_lwbulk_*_rt1_*")
@@ -128,3 +138,35 @@ def test_sm90_only_uses_sm90_smem_limit_and_template_agrees():
     assert template_context(v)["smem_limit"] == 232448
     both = parse_spec(dict(BASE)).variants()[0]
     assert template_context(both)["smem_limit"] == 101376
+
+
+def test_schedule_key_uri_and_feasibility():
+    from mlagen.feasibility import dimsplit_row_tiles, infeasible_reason, resources
+    from mlagen.spec import Variant
+
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3,
+                row_tiles=5, mask="tree")
+    (rb,) = parse_spec(base).variants()
+    assert rb.schedule == "rowblock" and "dimsplit" not in rb.uri  # default: uris of earlier builds unchanged
+    (ds,) = parse_spec(dict(base, schedule="dimsplit")).variants()
+    assert ds.uri.endswith("_rt5_st3_dimsplit_tree_bf16_sm120_sm90")
+    assert Variant.from_uri(ds.uri) == ds and Variant.from_uri(rb.uri) == rb
+    assert ds.build_key != rb.build_key and ds.ctas_per_row_block == 2 and rb.ctas_per_row_block == 1
+    assert infeasible_reason(ds) is None and resources(ds).smem_bytes <= 101376
+    assert infeasible_reason(rb)  # 80 rows in one rowblock CTA: over sm_120 shared memory and the register tiles
+    # one row-tile count per shape: the fewest clusters of at most 7 m16 tiles, balanced
+    assert [dimsplit_row_tiles(r) for r in (1, 8, 72, 144, 576, 128)] == [1, 1, 5, 5, 6, 4]
+    reasons = {
+        "load_width": infeasible_reason(dataclasses.replace(ds, load_width=64)),
+        "block_n": infeasible_reason(dataclasses.replace(ds, block_n=16)),
+        "row_tiles": infeasible_reason(dataclasses.replace(ds, row_tiles=2)),
+        "num_warps": infeasible_reason(dataclasses.replace(ds, num_warps=4)),
+        "stages": infeasible_reason(dataclasses.replace(ds, stages=6)),
+        "overlap": infeasible_reason(dataclasses.replace(ds, overlap=1)),
+    }
+    assert "bulk or 128" in reasons["load_width"] and "block_n must be 32" in reasons["block_n"]
+    assert "clusters of 5 row tiles" in reasons["row_tiles"] and "num_warps" in reasons["num_warps"]
+    assert "shared memory" in reasons["stages"] and "101376" in reasons["stages"]
+    assert reasons["overlap"]
+    with pytest.raises(SpecError, match="schedule"):
+        parse_spec(dict(base, schedule="onepass"))
