@@ -22,7 +22,7 @@ def test_shipped_specs_parse_and_sweep():
     # one cluster of 5 row tiles, 2 or 3 stages, both loaders
     assert len([v for v in ok if v.schedule == "rowblock"]) == 32
     assert all(v.row_tiles in (1, 2) and v.stages == 2 for v in ok if v.schedule == "rowblock")
-    assert len([v for v in ok if v.schedule == "dimsplit"]) == 16
+    assert len([v for v in ok if v.schedule == "dimsplit"]) == 32
     assert all(v.row_tiles == 5 for v in ok if v.schedule == "dimsplit")
     assert all(reason for _, reason in bad) and len(ok) + len(bad) == len(vs)
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
