@@ -7,6 +7,8 @@
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
 #         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
+#   release2 (2 GPUs): KERNELS=globs MEMCHECK_URIS=.. SGLang backend test + backend_step + memcheck on GPU 0, the
+#         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
 #   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -50,6 +52,27 @@ elif [ "$MODE" = tests ]; then
   step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
+elif [ "$MODE" = release2 ]; then
+  # two GPUs, one call, everything a release needs measured side by side: GPU 0 the SGLang backend test,
+  # backend_step and memcheck of MEMCHECK_URIS; GPU 1 the bench (FlashInfer columns, KERNELS tiles) natively
+  # and at sm_120 occupancy, then racecheck of MEMCHECK_URIS; every log packed into $OUT/logs.tgz
+  ( export CUDA_VISIBLE_DEVICES=0
+    sglang_test
+    for u in ${MEMCHECK_URIS:-}; do
+      step "memcheck_$u" "${SAN_LIMIT:-100}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    done ) > "$OUT/gpu0.txt" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step bench_native "${BENCH_LIMIT:-230}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+      --kernels "$KERNELS" --out "$OUT/native"
+    step bench_sm120 "${BENCH_LIMIT:-230}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+      --smem-per-sm sm120 --kernels "$KERNELS" --out "$OUT/sm120"
+    for u in ${MEMCHECK_URIS:-}; do
+      step "racecheck_$u" "${SAN_LIMIT:-100}" compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    done ) > "$OUT/gpu1.txt" 2>&1 &
+  wait
+  cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
+  grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
+  (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: its GPU tests (KTESTS: pytest -k expression), memcheck + racecheck of
   # MEMCHECK_URIS, then the H=8 bench shapes with only the tiles of KERNELS (globs), no baselines
