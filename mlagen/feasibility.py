@@ -111,6 +111,12 @@ def _dimsplit_reason(v: Variant) -> str | None:
     if (v.kv_lora_rank // 2) % 16 or (v.qk_rope_head_dim // 2) % 16 or v.qk_rope_head_dim % 2:
         return (f"schedule dimsplit splits kv_lora_rank {v.kv_lora_rank} and qk_rope_head_dim {v.qk_rope_head_dim} "
                 "in halves that must be multiples of 16")
+    rope_chunks = v.qk_rope_head_dim // 2 * 2 // 16  # 16-byte chunks of a rope half (MlaDimSplitConfig::kRopeChunks)
+    if v.load_width == 128 and (rope_chunks == 0 or 32 % rope_chunks):
+        # the cp.async loader copies whole tokens' rope halves per warp instruction (32 % kRopeChunks == 0,
+        # a static_assert that does not compile for kRopeChunks 0)
+        return (f"schedule dimsplit with load_width 128 copies the rope halves of 32 / (qk_rope_head_dim / 16) tokens "
+                f"per warp instruction: qk_rope_head_dim must be 32, 64 or 128, got {v.qk_rope_head_dim} (use load_width bulk)")
     want = dimsplit_row_tiles(v.rows_max)
     if v.row_tiles != want:
         return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "

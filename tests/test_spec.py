@@ -170,3 +170,19 @@ def test_schedule_key_uri_and_feasibility():
     assert reasons["overlap"]
     with pytest.raises(SpecError, match="schedule"):
         parse_spec(dict(base, schedule="onepass"))
+
+
+def test_dimsplit_cp_async_loader_needs_whole_tokens_of_rope_per_instruction():
+    """MlaDimSplitConfig's cp.async loader (load_width 128) static_asserts 32 % kRopeChunks == 0 with
+    kRopeChunks = qk_rope_head_dim / 16: rope 0 (division by zero) and 96 (6 chunks) do not compile,
+    so the Python model must reject them; the bulk loader has no such rule (both compile)."""
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", block_n=32, stages=2, row_tiles=5,
+                mask="tree", schedule="dimsplit")
+    for rope in (0, 96):
+        (lw128,) = parse_spec(dict(base, qk_rope_head_dim=rope, load_width=128)).variants()
+        assert "qk_rope_head_dim must be 32, 64 or 128" in (infeasible_reason(lw128) or ""), rope
+        (bulk,) = parse_spec(dict(base, qk_rope_head_dim=rope, load_width="bulk")).variants()
+        assert infeasible_reason(bulk) is None, rope
+    for rope in (32, 64, 128):
+        (lw128,) = parse_spec(dict(base, qk_rope_head_dim=rope, load_width=128)).variants()
+        assert infeasible_reason(lw128) is None, rope
