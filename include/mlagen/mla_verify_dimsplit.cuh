@@ -17,7 +17,7 @@
 // No __syncthreads in the main loop: stages are handed over by mbarriers (full / empty), the score
 // exchange by one mbarrier per (buffer, warp) in each CTA, double buffered. Both CTAs write their
 // halves of o_part; rank 0 writes lse_part. The combine kernel (mla_verify_combine.cuh) is shared
-// with the rowblock schedule. Only mma.sync, ldmatrix, cp.async.bulk (no multicast), mbarrier and
+// with the rowblock schedule. Only mma.sync, ldmatrix, cp.async / cp.async.bulk (no multicast), mbarrier and
 // cluster shared memory: the same code runs on sm_90 and sm_120. Diagnostic builds honour MLAGEN_ABLATE
 // (mla_verify_partial.cuh; here 16 drops the score exchange instead of the in-tile barriers).
 // Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16"; P from the S accumulators as the
