@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape  # messages carry [brackets] (nvcc output, reasons): printed literally
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -133,9 +134,23 @@ def _device_arch() -> str:
         raise click.ClickException(str(e).strip("'\"")) from None
 
 
+DROPPED_LISTED = 8  # up to this many infeasible variants are listed one per line; more are grouped by reason
+
+
 def _print_infeasible(infeasible) -> None:
+    """One line per infeasible variant (uri: reason), or, for more than DROPPED_LISTED, one line per
+    distinct reason with its count and one example uri (a swept spec repeats each reason per NSPLIT,
+    page size, ...). Reasons and uris are printed literally (no rich markup)."""
+    if len(infeasible) <= DROPPED_LISTED:
+        for v, reason in infeasible:
+            console.print(f"[yellow]dropped[/] {escape(v.uri)}: {escape(reason)}", soft_wrap=True)
+        return
+    groups: dict[str, list] = {}
     for v, reason in infeasible:
-        console.print(f"[yellow]dropped[/] {v.uri}: {reason}")
+        groups.setdefault(reason, []).append(v)
+    for reason, vs in groups.items():
+        console.print(f"[yellow]dropped[/] {len(vs)} variant(s): {escape(reason)} (e.g. {escape(vs[0].uri)})",
+                      soft_wrap=True)
 
 
 class _Group(click.Group):
@@ -192,6 +207,10 @@ def generate(spec_path: str, kernels: str | None, max_variants: int | None) -> N
     if not selected:
         raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
     ok, bad = feasibility.split_feasible(selected)
+    if ok:
+        from mlagen.ninja_gen import check_nvcc
+
+        check_nvcc([a for v in ok for a in v.archs])  # a missing / old toolchain: one line, before any listing
     _print_infeasible(bad)
     if not ok:
         raise click.ClickException(f"no feasible variant in {spec_path} ({len(bad)} dropped, reasons above)")
@@ -239,7 +258,7 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
     console.print(f"built {len(rep.built)} variants ({cached} cached) from {modules} modules in {rep.seconds:.1f} s; "
                   f"{len(rep.failed)} failed; {len(rep.infeasible)} dropped")
     for v, msg in rep.failed:
-        console.print(f"[red]FAILED[/] {v.uri}\n{msg}")
+        console.print(f"[red]FAILED[/] {escape(v.uri)}\n{escape(msg)}")
     if rep.failed:
         raise click.ClickException(f"{len(rep.failed)} variant(s) failed to build")
     if compile_only:
@@ -285,7 +304,7 @@ def _verify(uris: list[str], quick: bool) -> int:
                           "[green]pass[/]" if passed else "[red]FAIL[/]")
             for r in results:
                 if not r.passed:
-                    console.print(f"[red]FAIL[/] {uri} / {r.name}: {r.detail}")
+                    console.print(f"[red]FAIL[/] {escape(uri)} / {escape(r.name)}: {escape(str(r.detail))}")
             prog.advance(task)
             done_keys[uri] = (passed,)
     console.print(table)
@@ -311,7 +330,7 @@ def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
         if ver and ver["passed"] and ver["arch"] == arch:
             verified.append(uri)
         else:
-            console.print(f"[yellow]skip[/] {uri}: not verified on {arch} (run `mlagen verify`)")
+            console.print(f"[yellow]skip[/] {escape(uri)}: not verified on {arch} (run `mlagen verify`)")
     if not verified:
         raise click.ClickException("no verified variant to benchmark")
     bw = bm.copy_bandwidth_gbs()

@@ -73,10 +73,10 @@ def resources(v: Variant) -> Resources:
 
 def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
-    if v.overlap and v.load_width != "bulk":
-        return f"overlap needs load_width bulk, got {v.load_width}"
     if v.schedule == "dimsplit":
         return _dimsplit_reason(v)
+    if v.overlap and v.load_width != "bulk":
+        return f"overlap needs load_width bulk, got {v.load_width}"
     r = resources(v)
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:
@@ -120,7 +120,7 @@ def _dimsplit_reason(v: Variant) -> str | None:
     want = dimsplit_row_tiles(v.rows_max)
     if v.row_tiles != want:
         return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "
-                f"(fewest KV reads, at most {DIMSPLIT_MAX_ROW_TILES}); row_tiles {v.row_tiles} is not that")
+                f"(fewest KV reads, at most {DIMSPLIT_MAX_ROW_TILES}): row_tiles must be {want}, got {v.row_tiles}")
     if v.num_warps < v.row_tiles + 1 or v.num_warps > 8:
         return f"schedule dimsplit needs num_warps in [row_tiles + 1, 8] = [{v.row_tiles + 1}, 8], got {v.num_warps}"
     r = resources(v)

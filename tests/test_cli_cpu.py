@@ -74,6 +74,17 @@ def test_generate_lists_and_drops(runner, tmp_path):
     assert "1 variants in 1 modules" in r.output
 
 
+def test_dropped_reasons_grouped_and_printed_literally(runner, tmp_path):
+    """Many infeasible variants: one line per reason with its count; [brackets] in reasons survive."""
+    p = tmp_path / "s.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9\nschedule: dimsplit\nload_width: 128\nblock_n: 32\n"
+                 "row_tiles: 5\nstages: 3\nnum_warps: 16\nnsplit: [auto, 8, 16, 32, 64]\npage_size: [1, 64]\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    assert r.exit_code == 1, r.output
+    assert "dropped 10 variant(s): schedule dimsplit needs num_warps in [row_tiles + 1, 8] = [6, 8], got 16" in r.output
+    assert r.output.count("dropped 10 variant(s)") == 1 and r.output.count("\n") <= 3
+
+
 def test_verify_without_gpu_says_so(runner):
     r = runner.invoke(main, ["verify"])
     assert r.exit_code == 1 and "verify needs a GPU" in r.output

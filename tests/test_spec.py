@@ -165,9 +165,9 @@ def test_schedule_key_uri_and_feasibility():
         "overlap": infeasible_reason(dataclasses.replace(ds, overlap=1)),
     }
     assert "bulk or 128" in reasons["load_width"] and "block_n must be 32" in reasons["block_n"]
-    assert "clusters of 5 row tiles" in reasons["row_tiles"] and "num_warps" in reasons["num_warps"]
+    assert "row_tiles must be 5, got 2" in reasons["row_tiles"] and "num_warps" in reasons["num_warps"]
     assert "shared memory" in reasons["stages"] and "101376" in reasons["stages"]
-    assert reasons["overlap"]
+    assert "overlap must be 0" in reasons["overlap"]
     with pytest.raises(SpecError, match="schedule"):
         parse_spec(dict(base, schedule="onepass"))
 
