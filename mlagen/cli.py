@@ -410,22 +410,30 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool, max_variants
 def bench(spec_path: str | None, kernels: str | None, contexts: list[int] | None, batches: list[int] | None,
           plot: str | None, max_variants: int | None) -> None:
     """Time verified variants (CUDA graph replay, median) and name the fastest per shape."""
+    if spec_path is not None:
+        _spec(spec_path, max_variants)  # a missing or invalid SPEC is reported before the GPU check
+    if plot is not None and not Path(plot).resolve().parent.is_dir():
+        raise click.BadParameter(f"directory of {short_repr(plot)} does not exist", param_hint="'--plot'")
     ok, why = _gpu_available()  # after click has validated every option (--contexts, --batches)
     if not ok:
         raise click.ClickException(f"bench needs a GPU: {why}")
     _bench(_uris_for(spec_path, kernels, max_variants), contexts, batches, plot)
 
 
+INT32_MAX = 2**31 - 1  # kv lengths and batch sizes reach the kernels as int32
+
+
 def _ints(text: str | None) -> list[int] | None:
-    """Option callback: comma-separated positive integers (None when not given)."""
-    if not text:
+    """Option callback: comma-separated positive integers below 2**31 (None when not given; an empty
+    string is an error, not the default)."""
+    if text is None:
         return None
     try:
         vals = [int(x) for x in text.split(",")]
     except ValueError:
         vals = [0]
-    if any(x <= 0 for x in vals):
-        raise click.BadParameter(f"expected comma-separated positive integers, got {short_repr(text)}")
+    if not vals or any(not 0 < x <= INT32_MAX for x in vals):
+        raise click.BadParameter(f"expected comma-separated positive integers (< 2**31), got {short_repr(text)}")
     return vals
 
 
@@ -493,7 +501,10 @@ def show(uri: str) -> None:
     reg = Registry()
     row = reg.get_variant(uri)
     if row is None:
-        raise click.ClickException(f"unknown variant {short_repr(uri)}; see `mlagen list`")
+        hint = ""
+        if "_ns" not in uri and uri.startswith("mla_verify_"):  # a module name (build key), as build prints
+            hint = " (that looks like a module name: a variant uri also carries its split count, _nsN_ or _nsauto_)"
+        raise click.ClickException(f"unknown variant {short_repr(uri)}{hint}; see `mlagen list`")
     ver = reg.last_verification(uri, row["source_hash"])
     if ver is not None:
         ver = dict(ver, at=_iso(ver["at"]))

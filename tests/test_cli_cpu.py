@@ -61,7 +61,7 @@ def test_bench_bad_contexts(runner, monkeypatch):
     for opt, bad in (("--contexts", "4k"), ("--batches", "1,0")):
         r = runner.invoke(main, ["bench", opt, bad])
         assert r.exit_code == 2, r.output
-        assert f"Invalid value for '{opt}': expected comma-separated positive integers, got '{bad}'" in r.output
+        assert f"Invalid value for '{opt}': expected comma-separated positive integers (< 2**31), got '{bad}'" in r.output
         assert "needs a GPU" not in r.output
 
 
@@ -265,3 +265,22 @@ def test_readme_setup_block_and_gpu_scripts():
         if script.suffix in (".sh", ".py") and script.name != "device_env.sh":
             rows = [l for l in text.splitlines() if l.startswith("| `") and f"tools/{script.name}" in l.split("|")[1]]
             assert rows and len(rows[0].split("|")[2].strip()) > 20, f"tools/{script.name} not described in README"
+
+
+def test_bench_checks_spec_plot_and_int32_before_the_gpu(runner, monkeypatch, tmp_path):
+    from mlagen import cli
+
+    monkeypatch.setattr(cli, "_gpu_available", lambda: pytest.fail("GPU check reached before validation"))
+    for opt, bad in (("--contexts", "99999999999999999999"), ("--contexts", ""), ("--batches", "2147483648")):
+        r = runner.invoke(main, ["bench", opt, bad])
+        assert r.exit_code == 2 and "positive integers (< 2**31)" in r.output, r.output
+    r = runner.invoke(main, ["bench", str(tmp_path / "nope.yaml")])
+    assert r.exit_code == 1 and "cannot read spec" in r.output and "needs a GPU" not in r.output
+    r = runner.invoke(main, ["bench", "--plot", str(tmp_path / "missing" / "b.png")])
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_show_hints_at_a_module_name(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "c"))
+    r = runner.invoke(main, ["show", "mla_verify_h8_q9_kv512_rope64_ps1_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"])
+    assert r.exit_code == 1 and "looks like a module name" in r.output
