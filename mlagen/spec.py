@@ -342,7 +342,10 @@ def load_spec(path: str | Path) -> Spec:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError(f"spec {path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"spec {path}: invalid YAML{where}: {what}") from None
     return parse_spec(data, source=str(path))
 
 

@@ -186,3 +186,10 @@ def test_dimsplit_cp_async_loader_needs_whole_tokens_of_rope_per_instruction():
     for rope in (32, 64, 128):
         (lw128,) = parse_spec(dict(base, qk_rope_head_dim=rope, load_width=128)).variants()
         assert infeasible_reason(lw128) is None, rope
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9: 3\n")
+    with pytest.raises(SpecError, match=r"invalid YAML at line 3, column 9: mapping values are not allowed here"):
+        load_spec(p)
