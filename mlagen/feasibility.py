@@ -13,6 +13,8 @@ from mlagen.tables import SMEM_LIMIT
 SOFTMAX_LANES = 8
 REG_TILE_LIMIT = 200  # registers per thread held in Q / S / O fragments (same bound as the C++ config)
 DIMSPLIT_REG_TILE_LIMIT = 184  # dimsplit: one warp per CTA holds 16 rows' Q half, S and O half (MlaDimSplitConfig)
+ROWBLOCK_WARPS = (4, 8, 16)
+DIMSPLIT_PAIR_MAX_ROW_TILES = 5  # two warps per row tile: 2 x 5 + 1 = 11 warps leave 168 registers per thread
 DIMSPLIT_MAX_ROW_TILES = 7  # consumer warps per CTA (plus the producer warp): 8 warps x 255 registers fill an SM
 
 
@@ -23,6 +25,13 @@ def dimsplit_row_tiles(rows_max: int) -> int:
     m_tiles = -(-rows_max // 16)
     clusters = -(-m_tiles // DIMSPLIT_MAX_ROW_TILES)
     return -(-m_tiles // clusters)
+
+
+def dimsplit_pairs(v: Variant) -> bool:
+    """Whether a dimsplit variant runs two consumer warps per row tile (num_warps = 2 x row_tiles + 1;
+    MlaDimSplitConfig::kPairs): each scores 8 of a sub-tile's 16 tokens and owns 128 of the CTA's 256
+    output dims."""
+    return v.schedule == "dimsplit" and v.num_warps == 2 * v.row_tiles + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +54,18 @@ def resources(v: Variant) -> Resources:
     dim_qk, dim_v = v.dim_qk, v.dim_v
     if v.schedule == "dimsplit":
         dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2
+        pairs = dimsplit_pairs(v)
+        wpt = 2 if pairs else 1  # consumer warps per row tile
+        consumers = v.row_tiles * wpt
         smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
-        smem_xchg = 2 * v.row_tiles * (2 * 32 * 4) * 4  # 16-token score fragments, double buffered
-        smem_bars = (2 * v.stages + 2 * v.row_tiles) * 8
-        q_smem_steps = min(dim_cta // 16, v.qk_rope_head_dim // 2 // 16 + 6)  # Q k-steps read from shared memory
+        smem_xchg = 2 * consumers * (2 // wpt * 32 * 4) * 4  # 16-token score fragments, double buffered
+        smem_bars = (2 * v.stages + 2 * consumers) * 8
+        smem_pair = 2 * consumers * 32 * 16 if pairs else 0  # P and row maxima between the warps of a pair
+        rope_steps = v.qk_rope_head_dim // 2 // 16
+        q_smem_steps = min(dim_cta // 16, rope_steps + (2 if pairs else 6))  # Q k-steps read from shared memory
         smem_q = v.row_tiles * 16 * (q_smem_steps * 16 + 8) * 2
-        return Resources(smem_kv + smem_xchg + smem_bars + smem_q, (dim_cta // 16 - q_smem_steps) * 4, 2 * 2 * 4,
-                         v.kv_lora_rank // 2 // 8 * 4)
+        return Resources(smem_kv + smem_xchg + smem_bars + smem_q + smem_pair, (dim_cta // 16 - q_smem_steps) * 4,
+                         2 * (2 // wpt) * 4, v.kv_lora_rank // 2 // wpt // 8 * 4)
     kv_row = dim_qk + 8
     smem_kv = v.stages * v.block_n * kv_row * 2
     n_groups = v.block_n // 16
@@ -75,6 +89,8 @@ def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
     if v.schedule == "dimsplit":
         return _dimsplit_reason(v)
+    if v.num_warps not in ROWBLOCK_WARPS:
+        return f"schedule rowblock needs num_warps 4, 8 or 16, got {v.num_warps}"
     if v.overlap and v.load_width != "bulk":
         return f"overlap needs load_width bulk, got {v.load_width}"
     r = resources(v)
@@ -121,8 +137,13 @@ def _dimsplit_reason(v: Variant) -> str | None:
     if v.row_tiles != want:
         return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "
                 f"(fewest KV reads, at most {DIMSPLIT_MAX_ROW_TILES}): row_tiles must be {want}, got {v.row_tiles}")
-    if v.num_warps < v.row_tiles + 1 or v.num_warps > 8:
-        return f"schedule dimsplit needs num_warps in [row_tiles + 1, 8] = [{v.row_tiles + 1}, 8], got {v.num_warps}"
+    pair_warps = 2 * v.row_tiles + 1
+    if not (v.row_tiles + 1 <= v.num_warps <= 8 or v.num_warps == pair_warps):
+        return (f"schedule dimsplit needs num_warps 2 x row_tiles + 1 = {pair_warps} (two warps per row tile) or in "
+                f"[row_tiles + 1, 8] = [{v.row_tiles + 1}, 8] (one), got {v.num_warps}")
+    if dimsplit_pairs(v) and v.row_tiles > DIMSPLIT_PAIR_MAX_ROW_TILES:
+        return (f"schedule dimsplit with two warps per row tile fits at most {DIMSPLIT_PAIR_MAX_ROW_TILES} row tiles "
+                f"({2 * DIMSPLIT_PAIR_MAX_ROW_TILES + 1} warps, 168 registers each), got row_tiles {v.row_tiles}")
     r = resources(v)
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:

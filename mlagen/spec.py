@@ -87,7 +87,7 @@ PARAMS: dict[str, Param] = {
         Param("nsplit", int, lo=1, hi=256, default="auto", extra=("auto",)),
         Param("load_width", int, allowed=(32, 64, 128), default=128, extra=("bulk",)),  # bits per cp.async, or one cp.async.bulk per token row
         Param("block_n", int, allowed=(16, 32, 64), default=16),
-        Param("num_warps", int, allowed=(4, 8, 16), default=8),
+        Param("num_warps", int, lo=2, hi=16, default=8),  # rowblock: 4, 8, 16; dimsplit: row_tiles + 1 .. 8, or 2 x row_tiles + 1
         Param("row_tiles", int, lo=1, hi=8, default=2),
         Param("stages", int, lo=2, hi=6, default=3),
         Param("overlap", int, allowed=(0, 1), default=0),  # 1: scores of tile t+1 overlap P V of tile t (bulk only)

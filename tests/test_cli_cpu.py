@@ -81,7 +81,8 @@ def test_dropped_reasons_grouped_and_printed_literally(runner, tmp_path):
                  "row_tiles: 5\nstages: 3\nnum_warps: 16\nnsplit: [auto, 8, 16, 32, 64]\npage_size: [1, 64]\n")
     r = runner.invoke(main, ["generate", str(p)])
     assert r.exit_code == 1, r.output
-    assert "dropped 10 variant(s): schedule dimsplit needs num_warps in [row_tiles + 1, 8] = [6, 8], got 16" in r.output
+    assert ("dropped 10 variant(s): schedule dimsplit needs num_warps 2 x row_tiles + 1 = 11 (two warps per row tile) "
+            "or in [row_tiles + 1, 8] = [6, 8] (one), got 16") in r.output
     assert r.output.count("dropped 10 variant(s)") == 1 and r.output.count("\n") <= 3
 
 

@@ -34,6 +34,21 @@ SPECS = {
                      schedule="dimsplit", row_tiles=4, block_n=32, stages=2, load_width=128),
                 dict(name="gpu_ds_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
                      schedule="dimsplit", row_tiles=1, block_n=32, stages=3, load_width="bulk")],
+    # dimsplit with two consumer warps per row tile (num_warps = 2 x row_tiles + 1): each scores 8 of a
+    # sub-tile's 16 tokens and owns 128 output dims; P and row maxima cross through shared memory
+    "k2_dsp": dict(name="gpu_k2_dsp", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                   schedule="dimsplit", block_n=32, stages=3, row_tiles=5, num_warps=11, load_width=["bulk", 128],
+                   mask="tree"),
+    # pairs at other row counts: H16 (second cluster 4 live tiles), H1 q5 causal (1 tile, 5 rows), H64 q2
+    # no mask (2 clusters of 4 tiles, 9 warps), q_len 1
+    "dsp_rows": [dict(name="gpu_dsp_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
+                      schedule="dimsplit", row_tiles=5, num_warps=11, block_n=32, stages=2, load_width=128),
+                 dict(name="gpu_dsp_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
+                      schedule="dimsplit", row_tiles=1, num_warps=3, block_n=32, stages=2, load_width=128),
+                 dict(name="gpu_dsp_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
+                      schedule="dimsplit", row_tiles=4, num_warps=9, block_n=32, stages=3, load_width=128),
+                 dict(name="gpu_dsp_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
+                      schedule="dimsplit", row_tiles=1, num_warps=3, block_n=32, stages=3, load_width="bulk")],
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -83,11 +98,19 @@ def test_dimsplit_full_case_set(kernels):
         _check(k, quick=i > 0)
 
 
-def test_dimsplit_equals_rowblock(kernels):
+def test_dimsplit_pairs_full_case_set(kernels):
+    ks = kernels["k2_dsp"]
+    assert {(k.variant.schedule, k.variant.num_warps) for k in ks} == {("dimsplit", 11)} and len(ks) == 8
+    for i, k in enumerate(ks):
+        _check(k, quick=i > 0)
+
+
+@pytest.mark.parametrize("key", ["k2_ds", "k2_dsp"])
+def test_dimsplit_equals_rowblock(kernels, key):
     """Same inputs, same outputs within bf16 rounding: the two schedules sum the same products in another order."""
     from mlagen.cases import make_problem
 
-    ds = next(k for k in kernels["k2_ds"] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
+    ds = next(k for k in kernels[key] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
     rb = next(k for k in kernels["k2"] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
     p = make_problem(ds.variant, [9, 40, 4099, 65536], device="cuda")
     outs = []
@@ -103,7 +126,7 @@ def test_dimsplit_equals_rowblock(kernels):
     assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows"])
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

@@ -54,8 +54,15 @@ struct MlaDimSplitConfig {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRowTiles = kRowTiles_;  // consumer warps, one m16 row tile each
-  static constexpr int kProducerWarp = kRowTiles;
+  static constexpr int kRowTiles = kRowTiles_;  // m16 row tiles of the cluster's rows
+  // Consumer warps per row tile: 2 when num_warps = 2 x row_tiles + 1 (a pair: warp h scores tokens
+  // [8h, 8h + 8) of each sub-tile and owns output dims [128h, 128h + 128); P and the row maxima cross
+  // between the two through shared memory, one named barrier per sub-tile), else 1 (a warp owns its
+  // tile's scores of all 16 tokens of a sub-tile and all 256 output dims of the CTA; extra warps idle).
+  static constexpr int kWarpsPerTile = kWarps_ == 2 * kRowTiles_ + 1 ? 2 : 1;
+  static constexpr bool kPairs = kWarpsPerTile == 2;
+  static constexpr int kConsumerWarps = kRowTiles * kWarpsPerTile;
+  static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kRowsPerCta = kRowTiles * 16;  // rows of the cluster (both CTAs hold all of them)
   static constexpr int kRowsMax = kHeads * kQLenMax;
   static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
@@ -68,12 +75,13 @@ struct MlaDimSplitConfig {
   static constexpr int kKSteps = kDimCta / 16;              // 18 k16 steps of Q K^T per CTA
   static constexpr int kLatentSteps = kLatentHalf / 16;
   static constexpr int kDimVCta = kLatentHalf;              // 256 output dims per CTA
+  static constexpr int kDimVWarp = kDimVCta / kWarpsPerTile;  // output dims per consumer warp
   // A stage of kBlockN tokens is consumed in sub-tiles of 16: scores of 16 tokens (2 n8 tiles) are
-  // the most that fit beside Q (72) and O (128 words per thread) without spilling.
+  // the most that fit beside Q (72) and O (128 words per thread) without spilling; a pair splits them.
   static constexpr int kSubTile = 16;
   static constexpr int kSubTiles = kBlockN / kSubTile;
-  static constexpr int kNTilesS = kSubTile / 8;              // n8 score tiles per warp
-  static constexpr int kNTilesO = kDimVCta / 8;              // n8 output tiles per warp
+  static constexpr int kNTilesS = kSubTile / 8 / kWarpsPerTile;  // n8 score tiles per warp
+  static constexpr int kNTilesO = kDimVWarp / 8;                 // n8 output tiles per warp
 
   // Shared memory: KV ring (rows padded by 16 B: 592 B = 37 x 16 B, an odd count of 16-B units, so
   // the 8 row addresses of an ldmatrix fall in distinct bank groups), the score exchange buffers
@@ -83,17 +91,23 @@ struct MlaDimSplitConfig {
   static constexpr int kStageElems = kBlockN * kKvRowElems;
   static constexpr int kSmemKv = kStages * kStageElems * 2;
   static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
-  static constexpr int kSmemXchg = 2 * kRowTiles * kXchgFloatsPerWarp * 4;
-  static constexpr int kNumBars = 2 * kStages + 2 * kRowTiles;  // full, empty, exchange
+  static constexpr int kSmemXchg = 2 * kConsumerWarps * kXchgFloatsPerWarp * 4;
+  // Pairs: [2][kConsumerWarps][32 lanes][4 words] (a warp's P of rows g, g + 8 as bf16x2 and its row
+  // maxima), double buffered so one barrier per sub-tile suffices.
+  static constexpr int kSmemPair = kPairs ? 2 * kConsumerWarps * 32 * 16 : 0;
+  static constexpr int kNumBars = 2 * kStages + 2 * kConsumerWarps;  // full, empty, exchange
   static constexpr int kSmemBars = kNumBars * 8;
   // The last kQSmemSteps k16 steps of each warp's Q (the rope dims and 6 latent steps) are read with
   // ldmatrix from shared memory instead of held in registers: the headroom that lets the scores of
   // sub-tile j + 1 live beside P(j) and O without spilling at 255 registers.
-  static constexpr int kQSmemSteps = kRopeHalf / 16 + 6 < kKSteps ? kRopeHalf / 16 + 6 : kKSteps;
+  // Pairs hold O of 128 dims (64 words): the rope steps and 2 latent steps come from shared memory
+  // (0 spills at 168 registers on sm_90 and sm_120 with nvcc 13.0; the rope steps alone spill 20 B).
+  static constexpr int kQSmemStepsWanted = kPairs ? kRopeHalf / 16 + 2 : kRopeHalf / 16 + 6;
+  static constexpr int kQSmemSteps = kQSmemStepsWanted < kKSteps ? kQSmemStepsWanted : kKSteps;
   static constexpr int kQRegSteps = kKSteps - kQSmemSteps;
   static constexpr int kQSmemRowElems = kQSmemSteps * 16 + 8;  // +16 B: odd count of 16-B units per row
   static constexpr int kSmemQ = kRowTiles * 16 * kQSmemRowElems * 2;
-  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemBars + kSmemQ;
+  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemBars + kSmemQ + kSmemPair;
 
   static constexpr int kLatentBytes = kLatentHalf * 2;
   static constexpr int kRopeBytes = kRopeHalf * 2;
@@ -124,11 +138,19 @@ struct MlaDimSplitConfig {
   static_assert(kBulkLoad || (kLatentChunks == 32 && 32 % kRopeChunks == 0),
                 "dimsplit cp.async loader: one warp instruction per 512-byte latent half (kv_lora_rank 512)");
   static_assert(kRowTiles >= 1 && kRowTiles + 1 <= kWarps, "dimsplit: num_warps must be at least row_tiles + 1");
-  static_assert(kWarps <= 8, "dimsplit: at most 8 warps (about 230 registers per thread, one CTA per SM)");
+  static_assert(kPairs || kWarps <= 8,
+                "dimsplit: num_warps 2 x row_tiles + 1 (two warps per row tile) or in [row_tiles + 1, 8] (one warp "
+                "per row tile, about 230 registers per thread)");
+  static_assert(kPairs ? kWarps <= 15 : true, "dimsplit pairs: at most 7 row tiles (named barriers 1..7, 184 registers)");
   static_assert(kStages >= 2, "need at least two pipeline stages");
   static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsQ + kRegsS + kRegsO <= 184, "register tiles would spill");
+  // Pairs: each of the SM's four schedulers has 16,384 registers for its ceil(warps / 4) warps (11 warps:
+  // 168 per thread), of which about 40 go to addresses, loop state and the P / max exchange.
+  static constexpr int kRegsPerThreadMax = 16384 / (((kWarps + 3) / 4) * 32) / 8 * 8;
+  static_assert(!kPairs || kRegsPerThreadMax >= kRegsQ + kRegsS + kRegsO + 40,
+                "dimsplit pairs: the register file cannot hold this many warps' tiles (row_tiles <= 5)");
 };
 
 template <class Cfg>
@@ -139,8 +161,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);  // [kStages]
   uint64_t* empty_bar = full_bar + Cfg::kStages;                                               // [kStages]
-  uint64_t* xfull_bar = empty_bar + Cfg::kStages;  // [2][kRowTiles]: the peer's scores have landed
+  uint64_t* xfull_bar = empty_bar + Cfg::kStages;  // [2][kConsumerWarps]: the peer's scores have landed
   __nv_bfloat16* q_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars);
+  uint4* pair_smem = reinterpret_cast<uint4*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars + Cfg::kSmemQ);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -158,7 +181,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int row0 = row_block * Cfg::kRowsPerCta;
   if (row0 >= rows) return;  // the same for both CTAs of the cluster
   const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
-  const int live_warps = (live_rows + 15) / 16;
+  const int live_warps = (live_rows + 15) / 16 * Cfg::kWarpsPerTile;  // consumer warps with rows
 
   const int kv_len = p.kv_lens[b];
   const int prefix_len = kv_len - q_len;
@@ -178,7 +201,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32);  // bulk: 1 arrival + bytes; cp.async: every lane
       ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
     }
-    for (int i = 0; i < 2 * Cfg::kRowTiles; ++i) ptx::mbarrier_init(xfull_bar + i, 32);  // every peer lane arrives
+    for (int i = 0; i < 2 * Cfg::kConsumerWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 32);  // every peer lane arrives
     ptx::fence_barrier_init();
   }
   // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
@@ -248,12 +271,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       slot = i + 1 < num_tiles ? slot_of(tile + 1) : -1;
     }
   } else if (warp < live_warps) {
-    // ---- consumer warp: m-tile `warp` of the cluster's rows.
+    // ---- consumer warp: m-tile `tile` of the cluster's rows; with pairs, token / output-dim half `wh`.
+    const int tile = warp / Cfg::kWarpsPerTile;
+    const int wh = warp % Cfg::kWarpsPerTile;
+    const uint32_t pair_bar = 1u + static_cast<uint32_t>(tile);  // named barrier of the pair (0 = __syncthreads)
     uint32_t q_frag[Cfg::kQRegSteps > 0 ? Cfg::kQRegSteps : 1][4];
-    __nv_bfloat16* q_warp_smem = q_smem + warp * 16 * Cfg::kQSmemRowElems;  // [16 rows][kQSmemRowElems]
+    __nv_bfloat16* q_warp_smem = q_smem + tile * 16 * Cfg::kQSmemRowElems;  // [16 rows][kQSmemRowElems]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = row0 + warp * 16 + g + half * 8;
+      const int r = row0 + tile * 16 + g + half * 8;
       const bool row_ok = r < rows;
       const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
       const __nv_bfloat16* q_row =
@@ -264,33 +290,36 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
                             ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
                             : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
         const int k0 = dim + 2 * t4;
-        const uint32_t lo = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
-        const uint32_t hi = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
         if (ks < Cfg::kQRegSteps) {
-          q_frag[ks][half] = lo;
-          q_frag[ks][half + 2] = hi;
-        } else {  // row g + 8 half of this lane's pairs, as an ldmatrix source
+          q_frag[ks][half] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
+          q_frag[ks][half + 2] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
+        } else if (wh == 0) {  // row g + 8 half of this lane's pairs, as an ldmatrix source (one copy per tile)
           __nv_bfloat16* dst = q_warp_smem + (g + half * 8) * Cfg::kQSmemRowElems + (ks - Cfg::kQRegSteps) * 16 + 2 * t4;
-          *reinterpret_cast<uint32_t*>(dst) = lo;
-          *reinterpret_cast<uint32_t*>(dst + 8) = hi;
+          *reinterpret_cast<uint32_t*>(dst) = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
+          *reinterpret_cast<uint32_t*>(dst + 8) = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
         }
       }
     }
-    __syncwarp();  // the warp's Q rows in shared memory are read only by the warp itself
+    if constexpr (Cfg::kPairs) {
+      ptx::named_barrier_sync(pair_bar, 64);  // the tile's Q rows in shared memory, written by warp 0 of the pair
+    } else {
+      __syncwarp();  // the warp's Q rows in shared memory are read only by the warp itself
+    }
 
     float o_acc[Cfg::kNTilesO][4];
 #pragma unroll
     for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};  // running row max (log2 units) of rows g, g + 8
-    float l_run[2] = {0.f, 0.f};              // this thread's share of the running row sums
+    float m_run[2] = {-INFINITY, -INFINITY};  // running row max (log2 units) of rows g, g + 8 (the same in a pair)
+    float l_run[2] = {0.f, 0.f};              // this thread's share of the running row sums (its own tokens)
 
     const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
     const uint32_t xchg_local = ptx::smem_u32(xchg_smem);
     const uint32_t xchg_remote = ptx::map_to_cta(xchg_local, peer);
     const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
     const int m4 = lane / 8;  // ldmatrix matrix index of this lane's row address
+    const int tok0 = wh * (Cfg::kSubTile / Cfg::kWarpsPerTile);  // this warp's first score token of a sub-tile
 
     // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kStages at row offset 16 (j % kSubTiles).
     auto sub_kv = [&](int j) {
@@ -303,8 +332,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
       }
     };
-    // S_c of sub-tile j over this CTA's 288 dims, in two independent accumulator chains (even / odd k
-    // steps) so consecutive MMAs do not wait on each other.
+    // S_c of this warp's tokens of sub-tile j over this CTA's 288 dims, in two independent accumulator
+    // chains (even / odd k steps) so consecutive MMAs do not wait on each other.
     auto compute_scores = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
       const __nv_bfloat16* kv_sub = sub_kv(j);
       float s2[Cfg::kNTilesS][4];
@@ -312,6 +341,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.f;
+      uint32_t kb8[4];  // pairs: B fragments of 8 tokens for k steps ks, ks + 1
 #pragma unroll
       for (int ks = 0; ks < ((kAblate & kAblateScores) ? 0 : Cfg::kKSteps); ++ks) {
         uint32_t qa_smem[4];
@@ -321,14 +351,20 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         }
         const uint32_t(&qa)[4] = ks < Cfg::kQRegSteps ? q_frag[ks < Cfg::kQRegSteps ? ks : 0] : qa_smem;
         float(&acc)[Cfg::kNTilesS][4] = (ks % 2) ? s2 : s;
+        if constexpr (Cfg::kNTilesS == 1) {
+          // matrices: (tokens 0-7, k lo / hi of ks), (tokens 0-7, k lo / hi of ks + 1)
+          if (ks % 2 == 0) ptx::ldmatrix_x4(kb8, kv_sub + (tok0 + lane % 8) * Cfg::kKvRowElems + ks * 16 + m4 * 8);
+          ptx::mma_bf16_16816(acc[0], qa, kb8[(ks % 2) * 2], kb8[(ks % 2) * 2 + 1]);
+        } else {
 #pragma unroll
-        for (int np = 0; np < Cfg::kNTilesS / 2; ++np) {
-          // matrices: (tokens 0-7, k lo), (tokens 0-7, k hi), (tokens 8-15, k lo), (tokens 8-15, k hi)
-          const int n = np * 16 + (m4 / 2) * 8 + lane % 8;
-          uint32_t kb[4];
-          ptx::ldmatrix_x4(kb, kv_sub + n * Cfg::kKvRowElems + ks * 16 + (m4 % 2) * 8);
-          ptx::mma_bf16_16816(acc[2 * np], qa, kb[0], kb[1]);
-          ptx::mma_bf16_16816(acc[2 * np + 1], qa, kb[2], kb[3]);
+          for (int np = 0; np < Cfg::kNTilesS / 2; ++np) {
+            // matrices: (tokens 0-7, k lo), (tokens 0-7, k hi), (tokens 8-15, k lo), (tokens 8-15, k hi)
+            const int n = tok0 + np * 16 + (m4 / 2) * 8 + lane % 8;
+            uint32_t kb[4];
+            ptx::ldmatrix_x4(kb, kv_sub + n * Cfg::kKvRowElems + ks * 16 + (m4 % 2) * 8);
+            ptx::mma_bf16_16816(acc[2 * np], qa, kb[0], kb[1]);
+            ptx::mma_bf16_16816(acc[2 * np + 1], qa, kb[2], kb[3]);
+          }
         }
       }
 #pragma unroll
@@ -336,8 +372,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
     };
-    // Exchange buffer of sub-tile j in a CTA: [j & 1][warp][n8 tile][lane][4].
-    auto xoff_of = [&](int j) { return ((j & 1) * Cfg::kRowTiles + warp) * Cfg::kXchgFloatsPerWarp; };
+    // Exchange buffer of sub-tile j in a CTA: [j & 1][consumer warp][n8 tile][lane][4].
+    auto xoff_of = [&](int j) { return ((j & 1) * Cfg::kConsumerWarps + warp) * Cfg::kXchgFloatsPerWarp; };
     auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
       if constexpr (kAblate & kAblateBarriers) return;
       const int xoff = xoff_of(j);
@@ -346,13 +382,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
         ptx::st_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
       }
-      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>(((j & 1) * Cfg::kRowTiles + warp) * 8));
+      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>(((j & 1) * Cfg::kConsumerWarps + warp) * 8));
     };
-    // S = S_c + S_{1-c} (the same sum in both CTAs), mask, online softmax in registers; leaves P (fp32)
-    // in s and rescales O.
-    auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+    // S = S_c + S_{1-c} (the same sum in both CTAs), mask, online softmax in registers; leaves P as the
+    // bf16 A operand of P V in pa and rescales O.
+    auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4], uint32_t (&pa)[4]) {
       if constexpr (!(kAblate & kAblateBarriers)) {
-        ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kRowTiles + warp, static_cast<uint32_t>(j >> 1) & 1u);
+        ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kConsumerWarps + warp, static_cast<uint32_t>(j >> 1) & 1u);
       }
       const int xoff = xoff_of(j);
 #pragma unroll
@@ -364,14 +400,20 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         s[nt][2] = (s[nt][2] + v.z) * scale_log2;
         s[nt][3] = (s[nt][3] + v.w) * scale_log2;
       }
-      const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // first token of the sub-tile
+      if constexpr (kAblate & kAblateSoftmax) {  // diagnostic: raw scores as P, no mask / max / exp / rescale
+        pa[0] = ptx::pack_bf16x2(s[0][0], s[0][1]);
+        pa[1] = ptx::pack_bf16x2(s[0][2], s[0][3]);
+        pa[2] = Cfg::kPairs ? 0u : ptx::pack_bf16x2(s[Cfg::kNTilesS - 1][0], s[Cfg::kNTilesS - 1][1]);
+        pa[3] = Cfg::kPairs ? 0u : ptx::pack_bf16x2(s[Cfg::kNTilesS - 1][2], s[Cfg::kNTilesS - 1][3]);
+        return;
+      }
+      const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile + tok0;  // this warp's first token
       // A sub-tile wholly inside the prefix (all but the last one or two of a request) needs no mask
       // test; the draft rows' mask bits are read (from L1) only for the others.
-      if constexpr (kAblate & kAblateSoftmax) return;
-      if (key0 + Cfg::kSubTile > prefix_len) {
+      if (key0 + Cfg::kNTilesS * 8 > prefix_len) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int r = row0 + warp * 16 + g + half * 8;
+          const int r = row0 + tile * 16 + g + half * 8;
           const int qi = r / Cfg::kHeads;
           int64_t mask_row = 0;
           if constexpr (Cfg::kMask == MaskKind::kTree) {
@@ -387,25 +429,82 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       float alpha[2];
+      if constexpr (!Cfg::kPairs) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float tile_max = -INFINITY;
+        for (int half = 0; half < 2; ++half) {
+          float tile_max = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float m_new = fmaxf(m_run[half], tile_max);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
-        alpha[half] = exp2f(m_run[half] - m_use);
-        m_run[half] = m_new;
-        float sum = 0.f;
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+          const float m_new = fmaxf(m_run[half], tile_max);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+          alpha[half] = exp2f(m_run[half] - m_use);
+          m_run[half] = m_new;
+          float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-          s[nt][2 * half] = exp2f(s[nt][2 * half] - m_use);
-          s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - m_use);
-          sum += s[nt][2 * half] + s[nt][2 * half + 1];
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+            s[nt][2 * half] = exp2f(s[nt][2 * half] - m_use);
+            s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - m_use);
+            sum += s[nt][2 * half] + s[nt][2 * half + 1];
+          }
+          l_run[half] = l_run[half] * alpha[half] + sum;
         }
-        l_run[half] = l_run[half] * alpha[half] + sum;
+        pa[0] = ptx::pack_bf16x2(s[0][0], s[0][1]);
+        pa[1] = ptx::pack_bf16x2(s[0][2], s[0][3]);
+        pa[2] = ptx::pack_bf16x2(s[1][0], s[1][1]);
+        pa[3] = ptx::pack_bf16x2(s[1][2], s[1][3]);
+      } else {
+        // Each warp exponentiates its 8 tokens against its own new max, hands P (bf16) and that max to
+        // its partner, and both rescale to the pair's max M (the same value in both warps): one barrier.
+        float m_own[2], m_use_own[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float tile_max = fmaxf(s[0][2 * half], s[0][2 * half + 1]);
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+          m_own[half] = fmaxf(m_run[half], tile_max);
+          m_use_own[half] = m_own[half] == -INFINITY ? 0.f : m_own[half];
+          s[0][2 * half] = exp2f(s[0][2 * half] - m_use_own[half]);
+          s[0][2 * half + 1] = exp2f(s[0][2 * half + 1] - m_use_own[half]);
+        }
+        const uint32_t p_lo = ptx::pack_bf16x2(s[0][0], s[0][1]);
+        const uint32_t p_hi = ptx::pack_bf16x2(s[0][2], s[0][3]);
+        uint4* slot = pair_smem + ((j & 1) * Cfg::kConsumerWarps + warp) * 32 + lane;
+        *slot = make_uint4(p_lo, p_hi, __float_as_uint(m_own[0]), __float_as_uint(m_own[1]));
+        ptx::named_barrier_sync(pair_bar, 64);
+        const uint4 other = *(pair_smem + ((j & 1) * Cfg::kConsumerWarps + (warp ^ 1)) * 32 + lane);
+        const float m_oth[2] = {__uint_as_float(other.z), __uint_as_float(other.w)};
+        float f_own[2], f_oth[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float m_new = fmaxf(m_own[half], m_oth[half]);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          alpha[half] = exp2f(m_run[half] - m_use);
+          m_run[half] = m_new;
+          // A side with nothing visible has P = 0: factor 0 (never exp2 of a huge difference).
+          f_own[half] = m_own[half] == -INFINITY ? 0.f : exp2f(m_use_own[half] - m_use);
+          f_oth[half] = m_oth[half] == -INFINITY ? 0.f : exp2f(m_oth[half] - m_use);
+        }
+        uint32_t own_lo = p_lo, own_hi = p_hi, oth_lo = other.x, oth_hi = other.y;
+        if (!__all_sync(0xffffffffu, f_own[0] == 1.f && f_own[1] == 1.f && f_oth[0] == 1.f && f_oth[1] == 1.f)) {
+          s[0][0] *= f_own[0];
+          s[0][1] *= f_own[0];
+          s[0][2] *= f_own[1];
+          s[0][3] *= f_own[1];
+          own_lo = ptx::pack_bf16x2(s[0][0], s[0][1]);
+          own_hi = ptx::pack_bf16x2(s[0][2], s[0][3]);
+          const float2 a = ptx::unpack_bf16x2(oth_lo), c = ptx::unpack_bf16x2(oth_hi);
+          oth_lo = ptx::pack_bf16x2(a.x * f_oth[0], a.y * f_oth[0]);
+          oth_hi = ptx::pack_bf16x2(c.x * f_oth[1], c.y * f_oth[1]);
+        }
+        l_run[0] = l_run[0] * alpha[0] + s[0][0] + s[0][1];
+        l_run[1] = l_run[1] * alpha[1] + s[0][2] + s[0][3];
+        // A operand, k = the sub-tile's 16 tokens: a0 / a1 tokens 0-7 (warp 0 of the pair), a2 / a3 tokens 8-15.
+        pa[0] = wh == 0 ? own_lo : oth_lo;
+        pa[1] = wh == 0 ? own_hi : oth_hi;
+        pa[2] = wh == 0 ? oth_lo : own_lo;
+        pa[3] = wh == 0 ? oth_hi : own_hi;
       }
       if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {  // some row max moved
 #pragma unroll
@@ -417,9 +516,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     };
-    // O_c += P V_c for sub-tile j: P (bf16) from the score registers as the A operand.
+    // O_c += P V_c for sub-tile j (this warp's kDimVWarp dims): P (bf16) as the A operand.
     auto pv = [&](int j, const uint32_t (&pa)[4]) {
-      const __nv_bfloat16* kv_sub = sub_kv(j);
+      const __nv_bfloat16* kv_sub = sub_kv(j) + wh * Cfg::kDimVWarp;
       const int token = (m4 % 2) * 8 + lane % 8;
 #pragma unroll
       for (int nb = 0; nb < ((kAblate & kAblatePV) ? 0 : Cfg::kNTilesO / 2); ++nb) {
@@ -430,12 +529,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         ptx::mma_bf16_16816(o_acc[2 * nb + 1], pa, vb[2], vb[3]);
       }
     };
-    auto pack_p = [&](const float (&s)[Cfg::kNTilesS][4], uint32_t (&pa)[4]) {
-      pa[0] = ptx::pack_bf16x2(s[0][0], s[0][1]);
-      pa[1] = ptx::pack_bf16x2(s[0][2], s[0][3]);
-      pa[2] = ptx::pack_bf16x2(s[1][0], s[1][1]);
-      pa[3] = ptx::pack_bf16x2(s[1][2], s[1][3]);
-    };
 
     // Software pipeline over sub-tiles: the scores of j + 1 are computed and sent before P V of j,
     // so the peer's half of them crosses the cluster while this warp runs P V(j).
@@ -445,8 +538,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     wait_full(0);
     compute_scores(0, s);
     send_scores(0, s);
-    softmax(0, s);
-    pack_p(s, pa);
+    softmax(0, s, pa);
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
       const bool more = j + 1 < num_sub;
@@ -460,28 +552,41 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         __syncwarp();
         if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kStages);
       }
-      if (more) {
-        softmax(j + 1, s);
-        pack_p(s, pa);
-      }
+      if (more) softmax(j + 1, s, pa);
     }
 
-    // ---- epilogue: normalized partial O (this CTA's 256 dims) and, from rank 0, the LSE
+    // ---- epilogue: normalized partial O (this warp's dims of the CTA's 256) and, from rank 0, the LSE
+    float l_row[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float l = l_run[half];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int r = warp * 16 + g + half * 8;  // row within the block
+      l_row[half] = l;
+    }
+    if constexpr (Cfg::kPairs) {  // row sums of the partner's tokens (buffer of sub-tile num_sub: free, see softmax)
+      uint4* slot = pair_smem + ((num_sub & 1) * Cfg::kConsumerWarps + warp) * 32 + lane;
+      *slot = make_uint4(__float_as_uint(l_row[0]), __float_as_uint(l_row[1]), 0u, 0u);
+      ptx::named_barrier_sync(pair_bar, 64);
+      const uint4 other = *(pair_smem + ((num_sub & 1) * Cfg::kConsumerWarps + (warp ^ 1)) * 32 + lane);
+      l_row[0] += __uint_as_float(other.x);
+      l_row[1] += __uint_as_float(other.y);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = l_row[half];
+      const int r = tile * 16 + g + half * 8;  // row within the block
       if (r < live_rows) {
         const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        float* o_row = p.o_part + (ws_row_base + r) * Cfg::kDimV + rank * Cfg::kDimVCta;
+        float* o_row = p.o_part + (ws_row_base + r) * Cfg::kDimV + rank * Cfg::kDimVCta + wh * Cfg::kDimVWarp;
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesO; ++nt) {
           *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
               make_float2(o_acc[nt][2 * half] * inv_l, o_acc[nt][2 * half + 1] * inv_l);
         }
-        if (rank == 0 && t4 == 0) lse_part[r] = l > 0.f ? (m_run[half] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        if (rank == 0 && wh == 0 && t4 == 0) {
+          lse_part[r] = l > 0.f ? (m_run[half] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        }
       }
     }
   }

@@ -162,5 +162,16 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32): the
+// warps of one group wait for each other without stopping the rest of the CTA.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The two bf16 halves of a bf16x2 word as floats (low half first).
+__device__ __forceinline__ float2 unpack_bf16x2(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
 }  // namespace ptx
 }  // namespace mlagen
