@@ -10,10 +10,13 @@
 //                   latent and rope halves into a kStages ring; full[stage] completes when they
 //                   land, empty[stage] when every consumer warp is done with the stage.
 //   consumer warp w m-tile w (16 rows): S_c = Q[:, dims_c] K[:, dims_c]^T in mma.sync fragments; the
-//                   fragment goes to the peer CTA's shared memory (st.shared::cluster) with a remote
-//                   mbarrier arrival; S = S_0 + S_1 (the same sum in both CTAs, so both run the same
-//                   softmax); online softmax in the fragment registers (4-lane row reductions);
+//                   fragment goes to the peer CTA's shared memory by st.async, whose bytes complete
+//                   the peer's exchange mbarrier; S = S_0 + S_1 (the same sum in both CTAs, so both run
+//                   the same softmax); online softmax in the fragment registers (4-lane row reductions);
 //                   O_c += P V[:, 256c : 256c + 256] with P taken straight from the score registers.
+//                   With num_warps = 2 x row_tiles + 1 two warps share an m-tile: each scores 8 of the
+//                   16 tokens and owns 128 of the 256 output dims (P and row maxima swapped in shared
+//                   memory under one named barrier per sub-tile).
 // No __syncthreads in the main loop: stages are handed over by mbarriers (full / empty), the score
 // exchange by one mbarrier per (buffer, warp) in each CTA, double buffered. Both CTAs write their
 // halves of o_part; rank 0 writes lse_part. The combine kernel (mla_verify_combine.cuh) is shared
@@ -201,7 +204,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32);  // bulk: 1 arrival + bytes; cp.async: every lane
       ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
     }
-    for (int i = 0; i < 2 * Cfg::kConsumerWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 32);  // every peer lane arrives
+    // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
+    for (int i = 0; i < 2 * Cfg::kConsumerWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
     ptx::fence_barrier_init();
   }
   // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
@@ -377,18 +381,20 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
       if constexpr (kAblate & kAblateBarriers) return;
       const int xoff = xoff_of(j);
+      const uint32_t bar = xbar_remote + static_cast<uint32_t>(((j & 1) * Cfg::kConsumerWarps + warp) * 8);
 #pragma unroll
       for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
         const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
-        ptx::st_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
+        ptx::st_async_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3], bar);
       }
-      ptx::mbarrier_arrive_cluster(xbar_remote + static_cast<uint32_t>(((j & 1) * Cfg::kConsumerWarps + warp) * 8));
     };
     // S = S_c + S_{1-c} (the same sum in both CTAs), mask, online softmax in registers; leaves P as the
     // bf16 A operand of P V in pa and rescales O.
     auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4], uint32_t (&pa)[4]) {
       if constexpr (!(kAblate & kAblateBarriers)) {
-        ptx::mbarrier_wait_parity_cluster(xfull_bar + (j & 1) * Cfg::kConsumerWarps + warp, static_cast<uint32_t>(j >> 1) & 1u);
+        uint64_t* bar = xfull_bar + (j & 1) * Cfg::kConsumerWarps + warp;
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(bar, Cfg::kXchgFloatsPerWarp * 4);
+        ptx::mbarrier_wait_parity(bar, static_cast<uint32_t>(j >> 1) & 1u);
       }
       const int xoff = xoff_of(j);
 #pragma unroll

@@ -112,6 +112,19 @@ __device__ __forceinline__ void st_cluster_v4(uint32_t cluster_addr, float a, fl
                : "memory");
 }
 
+// 16 bytes to another CTA's shared memory (a shared::cluster address from map_to_cta) that complete
+// 16 transaction bytes on that CTA's mbarrier `cluster_bar_addr` (PTX ISA "st.async"; sm_90+, no
+// multicast). The receiver announces the bytes with mbarrier.arrive.expect_tx and waits on its own
+// barrier at CTA scope, as for a bulk copy: no GPU-scope fence on the sender (a release.cluster
+// arrival compiles to MEMBAR.ALL.GPU) and no L1 invalidation on the receiver (acquire.cluster does).
+__device__ __forceinline__ void st_async_cluster_v4(uint32_t cluster_addr, float a, float b, float c, float d,
+                                                    uint32_t cluster_bar_addr) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar_addr)
+               : "memory");
+}
+
 // Arrival on an mbarrier of another CTA of the cluster; orders this thread's earlier stores (release.cluster).
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t cluster_bar_addr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar_addr) : "memory");
