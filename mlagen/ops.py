@@ -24,6 +24,12 @@ SM120_SMEM_PER_SM = 102400  # shared memory per SM on sm_120 (RTX PRO 6000 Black
 CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA (sm_80 and later)
 AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best wave cost
 
+# fill_metadata: index dtypes the kernel reads, and its tree modes (the MetaTreeMode ints of
+# include/mlagen/mla_verify_metadata.cuh).
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_TREE_NONE, _TREE_CAUSAL, _TREE_QLEN, _TREE_FULL = 0, 1, 2, 3
+_TREE_MODES = {"causal": _TREE_CAUSAL, "qlen_only": _TREE_QLEN, "full_mask": _TREE_FULL}
+
 
 @functools.lru_cache(maxsize=1024)  # called on every launch of an auto variant: compute each (units, slots) once
 def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
@@ -267,6 +273,86 @@ class VerifyKernel:
         workspace = self._checked_workspace(workspace, bs, splits, dev, dict(
             block_table=block_table, kv_lens=kv_lens, tree_mask=tree_mask, req_pool_indices=req_pool_indices))
         return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace)
+
+    # ---- per-batch metadata in one launch (the SGLang backend's path)
+    @property
+    def has_fill_metadata(self) -> bool:
+        """Whether the compiled module has :meth:`fill_metadata` (modules built before it do not)."""
+        return hasattr(self.module, "fill_metadata")
+
+    def fill_metadata(self, kv_lens, block_table, seq_lens, req_pool_indices, req_to_token, *, extra: int,
+                      num_padding: int, npages: int, page_size: int, q_len: int = 0, tree_mask=None,
+                      tree_mode: str | None = None, custom_mask=None) -> None:
+        """Fill a batch's kernel inputs from SGLang's batch state in one launch on the current stream
+        (include/mlagen/mla_verify_metadata.cuh); the fused form of the torch helpers in
+        ``mlagen.sglang_plugin.metadata``, with exactly their results. No allocation, no host sync
+        (CUDA-graph safe). Called once per step by the backend, which owns the output buffers: only
+        cheap checks here (dtypes, the mask mode and size); shapes and strides are the caller's.
+
+        Args:
+            kv_lens: int32 [>= bs], contiguous; [:bs] gets seq_lens + extra, 0 for the last ``num_padding``.
+            block_table: int32 [>= bs, >= npages], last dim contiguous; [b, p] for p < npages gets
+                floor(req_to_token[req_pool_indices[b], p * page_size] / page_size); other columns untouched.
+            seq_lens: int32/int64 [bs], contiguous: prefix lengths (bs = its length).
+            req_pool_indices: int32/int64 [bs], contiguous: rows of req_to_token (padded rows: a valid row);
+                a row outside the pool gets page 0 in every column.
+            req_to_token: int32 [pool_rows, width], last dim contiguous; (npages - 1) * page_size < width.
+            extra: added to seq_lens (q_len for verify, 0 for decode).
+            num_padding: padded rows at the end of the batch, 0 <= num_padding <= bs.
+            npages: block-table columns to write; page_size: tokens per page (>= 1).
+            q_len: draft tokens per request, 1..64 (tree_mask rows [:bs, :q_len] are written).
+            tree_mask: int64 [>= bs, >= q_len], last dim contiguous, or None (no tree output).
+            tree_mode: with tree_mask: ``"causal"`` (every row: query i sees drafts 0..i, as
+                ``causal_bits``), ``"qlen_only"`` (SGLang TreeMaskMode.QLEN_ONLY custom mask, as
+                ``pack_qlen_mask``) or ``"full_mask"`` (TreeMaskMode.FULL_MASK, as ``pack_full_mask`` over
+                the real rows); mask modes write 0 to the padded rows, which never index the mask.
+            custom_mask: bool/uint8 1-D contiguous verify mask (the mask modes); FULL_MASK cells past its
+                end read as 0 (the torch helper would fail on such a mask).
+        Raises:
+            ValueError: a wrong dtype, a non-contiguous input / last dim, an unknown tree_mode, a mask mode
+                without a custom mask, or a QLEN_ONLY mask of fewer than (bs - num_padding) * q_len * q_len
+                cells (the message of ``pack_qlen_mask``). Nothing is launched.
+            RuntimeError: sizes out of range for the kernel, or the launch failed.
+        """
+        bs = seq_lens.shape[0]
+        if seq_lens.dtype not in _INDEX_DTYPES or req_pool_indices.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {seq_lens.dtype} and "
+                             f"{req_pool_indices.dtype}")
+        if kv_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or req_to_token.dtype != torch.int32:
+            raise ValueError(f"kv_lens, block_table and req_to_token must be int32, got {kv_lens.dtype}, "
+                             f"{block_table.dtype} and {req_to_token.dtype}")
+        if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous() and kv_lens.is_contiguous()
+                and block_table.stride(-1) == 1 and req_to_token.stride(-1) == 1):
+            raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
+                             "req_to_token need a contiguous last dim")
+        mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
+        if tree_mask is not None:
+            mode = _TREE_MODES.get(tree_mode)
+            if mode is None:
+                raise ValueError(f"tree_mode must be one of {sorted(_TREE_MODES)} with a tree_mask, got {tree_mode!r}")
+            if tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1:
+                raise ValueError(f"tree_mask must be torch.int64 with a contiguous last dim, got {tree_mask.dtype} "
+                                 f"strides {tree_mask.stride()}")
+            if mode != _TREE_CAUSAL:
+                if (custom_mask is None or custom_mask.dtype not in (torch.bool, torch.uint8)
+                        or not custom_mask.is_contiguous()):
+                    raise ValueError(f"tree_mode {tree_mode!r} needs a contiguous bool/uint8 custom_mask, got "
+                                     f"{getattr(custom_mask, 'dtype', None)}")
+                mask_ptr, mask_numel = custom_mask.data_ptr(), custom_mask.numel()
+                need = (bs - num_padding) * q_len * q_len
+                if mode == _TREE_QLEN and mask_numel < need:
+                    raise ValueError(f"QLEN_ONLY verify mask has {mask_numel} elements, {need} needed "
+                                     f"for {bs - num_padding} requests of {q_len} draft tokens")
+        dev = kv_lens.device
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        args = (seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), req_pool_indices.data_ptr(),
+                int(req_pool_indices.dtype == torch.int64), req_to_token.data_ptr(), req_to_token.stride(0),
+                req_to_token.shape[0], mask_ptr, mask_numel, kv_lens.data_ptr(), block_table.data_ptr(),
+                block_table.stride(0), tree_mask.data_ptr() if tree_mask is not None else 0,
+                tree_mask.stride(0) if tree_mask is not None else 0, bs, num_padding, extra, npages, page_size,
+                q_len, mode, stream)
+        with torch.cuda.device(dev):
+            self.module.fill_metadata(*args)
 
     def check_kv_cache(self, kv_cache) -> torch.Tensor:
         """Validate a KV cache for this variant; returns its [num_slots, D] view.

@@ -294,3 +294,72 @@ def test_check_batch_rejects_bad_metadata(monkeypatch, mutate, message):
     with pytest.raises(ValueError, match="kv_cache last dim must be 576"):
         k.check_kv_cache(d["kv_cache"][:, :512])
     assert k.module.calls == 0
+
+
+class _FillModule(RecordingModule):
+    def fill_metadata(self, *args):
+        self.calls += 1
+        self.args = args
+
+
+def _meta_inputs(bs=3, q_len=9, npages=4):
+    return dict(kv_lens=torch.zeros(bs + 1, dtype=torch.int32),
+                block_table=torch.zeros(bs + 1, npages + 2, dtype=torch.int32),
+                seq_lens=torch.tensor([5, 7, 1][:bs]), req_pool_indices=torch.tensor([2, 1, 0][:bs], dtype=torch.int32),
+                req_to_token=torch.zeros(4, 32, dtype=torch.int32)[:, :20],
+                tree_mask=torch.zeros(bs + 1, q_len + 3, dtype=torch.int64))
+
+
+def test_fill_metadata_passes_pointers_strides_and_flags(monkeypatch):
+    """fill_metadata hands the module the device addresses, row strides, dtype flags, sizes and the tree
+    mode in the order of the template's binding (mla_verify_module.cu.j2), on the current stream."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _FillModule()
+    assert k.has_fill_metadata and not _kernel().has_fill_metadata
+    d = _meta_inputs()
+    mask = torch.ones(100, dtype=torch.bool)
+    k.fill_metadata(d["kv_lens"], d["block_table"][:3, :4], d["seq_lens"], d["req_pool_indices"], d["req_to_token"],
+                    extra=9, num_padding=1, npages=4, page_size=1, q_len=9, tree_mask=d["tree_mask"][:3, :9],
+                    tree_mode="full_mask", custom_mask=mask)
+    assert k.module.args == (
+        d["seq_lens"].data_ptr(), 1, d["req_pool_indices"].data_ptr(), 0, d["req_to_token"].data_ptr(), 32, 4,
+        mask.data_ptr(), 100, d["kv_lens"].data_ptr(), d["block_table"].data_ptr(), 6, d["tree_mask"].data_ptr(), 12,
+        3, 1, 9, 4, 1, 9, 3, 7)
+    k.fill_metadata(d["kv_lens"], d["block_table"], d["seq_lens"], d["req_pool_indices"], d["req_to_token"],
+                    extra=0, num_padding=0, npages=4, page_size=1)
+    assert k.module.args[12:14] == (0, 0) and k.module.args[7:9] == (0, 0) and k.module.args[-2] == 0
+    for mode, code in (("causal", 1), ("qlen_only", 2)):
+        k.fill_metadata(d["kv_lens"], d["block_table"], d["seq_lens"], d["req_pool_indices"], d["req_to_token"],
+                        extra=9, num_padding=0, npages=4, page_size=1, q_len=9, tree_mask=d["tree_mask"],
+                        tree_mode=mode, custom_mask=torch.ones(243, dtype=torch.uint8))
+        assert k.module.args[-2] == code
+        assert k.module.args[7:9] == ((0, 0) if mode == "causal" else (k.module.args[7], 243))
+    assert k.module.calls == 4
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(seq_lens=d["seq_lens"].float()), "seq_lens and req_pool_indices must be int32 or int64"),
+    (lambda d: d.update(req_pool_indices=d["req_pool_indices"].to(torch.int16)), "must be int32 or int64"),
+    (lambda d: d.update(kv_lens=d["kv_lens"].long()), "kv_lens, block_table and req_to_token must be int32"),
+    (lambda d: d.update(seq_lens=torch.tensor([5, 0, 7, 0, 1, 0])[::2]), "must be contiguous"),
+    (lambda d: d.update(block_table=d["block_table"].t()), "need a contiguous last dim"),
+    (lambda d: d.update(tree_mode="tree"), "tree_mode must be one of"),
+    (lambda d: d.update(tree_mask=d["tree_mask"].int()), "tree_mask must be torch.int64"),
+    (lambda d: d.update(custom_mask=None), "needs a contiguous bool/uint8 custom_mask"),
+    (lambda d: d.update(custom_mask=torch.ones(300)), "needs a contiguous bool/uint8 custom_mask"),
+    (lambda d: d.update(custom_mask=torch.ones(161, dtype=torch.bool)),
+     "QLEN_ONLY verify mask has 161 elements, 162 needed for 2 requests of 9 draft tokens"),
+])
+def test_fill_metadata_rejects_bad_input(monkeypatch, mutate, message):
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _FillModule()
+    d = dict(_meta_inputs(), tree_mode="qlen_only", custom_mask=torch.ones(162, dtype=torch.bool))
+    mutate(d)
+    with pytest.raises(ValueError) as e:
+        k.fill_metadata(d["kv_lens"], d["block_table"], d["seq_lens"], d["req_pool_indices"], d["req_to_token"],
+                        extra=9, num_padding=1, npages=4, page_size=1, q_len=9, tree_mask=d["tree_mask"],
+                        tree_mode=d["tree_mode"], custom_mask=d["custom_mask"])
+    assert message in str(e.value)
+    assert k.module.calls == 0

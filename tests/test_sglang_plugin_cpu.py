@@ -833,9 +833,9 @@ def test_block_table_refresh_sized_from_host_lengths(ps):
 
 
 def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):
-    """Host time per eager step: the batch metadata is validated once (init_forward_metadata), each
-    layer's pool buffer once per backend, and every layer launches without re-checking; outputs still
-    match the reference layer by layer."""
+    """Host time per eager step: the batch metadata is validated once (init_forward_metadata; a later
+    step of the same shape reuses that check), each layer's pool buffer once per backend, and every
+    layer launches without re-checking; outputs still match the reference layer by layer."""
     gen = torch.Generator().manual_seed(50)
     n_layers = 4
     s = _verify_setup(gen, layers=n_layers, bs=2)
@@ -847,12 +847,93 @@ def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):
             out = s.be.forward_extend(s.q, s.k, s.k[..., :512], _layer(s.H, scale, layer_id=lid), s.fb)
             want = _expected(s, s.pool.kv_buffer[lid], scale)
             assert (out.float().view(-1, s.H, 512) - want).abs().max().item() < 2e-2
-        assert k.counts == {"check_batch": step + 1, "check_kv_cache": n_layers, "launch": n_layers * (step + 1),
+        assert k.counts == {"check_batch": 1, "check_kv_cache": n_layers, "launch": n_layers * (step + 1),
                             "call": 0}
     # a q that does not fit the checked batch goes through the checked call (a clear error there)
     s.be.init_forward_metadata(s.fb)
     s.be.forward_extend(s.q.float(), s.k, s.k[..., :512], _layer(s.H, 0.1), s.fb)
     assert k.counts["call"] == 1
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_eager_buffers_reused_and_batch_revalidated_only_on_change(ps):
+    """Eager steps write into persistent buffers (no allocation per step; grown when a larger page
+    count arrives) and call check_batch only when what it validates changes (bs, npages, q_len, the
+    buffers); every step's values equal the torch helpers'. A replay re-checks on a new bs, never on a
+    new page count (the graph table is passed whole)."""
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    gen = torch.Generator().manual_seed(60 + ps)
+    width, rows = 64, 8
+    mr, r2t = _runner(ps, width=width, rows=rows)
+    kern = _Kernel(8, "tree")
+    be = MlagenAttnBackend(mr, verify_kernel=kern, decode_kernel=None, fallback=_Fallback(), verify_q_len=5)
+
+    def batch(bs, q_len, max_len, pad=0):
+        real = bs - pad
+        lens = torch.randint(1, max_len + 1, (real,), generator=gen)
+        lens[0] = max_len
+        parents = [_parents(q_len, gen) for _ in range(real)]
+        rpi = torch.cat([torch.randperm(rows - 1, generator=gen)[:real] + 1, torch.zeros(pad, dtype=torch.int64)])
+        fb = types.SimpleNamespace(
+            forward_mode=_Mode("verify"), batch_size=bs, req_pool_indices=rpi,
+            seq_lens=torch.cat([lens, torch.ones(pad, dtype=lens.dtype)]), max_seq_len_host=max_len,
+            spec_info=types.SimpleNamespace(custom_mask=_qlen_blocks(parents).to(torch.uint8), num_tokens_per_req=q_len))
+        if pad:
+            fb._original_batch_size = real
+        return fb
+
+    def step(fb, graph=False):
+        if graph:
+            be.init_forward_metadata_out_graph(fb)
+        else:
+            be.init_forward_metadata(fb)
+        m = be.forward_metadata
+        bs, q_len = fb.batch_size, fb.spec_info.num_tokens_per_req
+        real = getattr(fb, "_original_batch_size", bs)
+        npages = -(-min(width, fb.max_seq_len_host + q_len + ps) // ps)
+        assert m.kv_lens.tolist() == (fb.seq_lens[:real] + q_len).tolist() + [0] * (bs - real)
+        want = torch.zeros(bs, npages, dtype=torch.int32)
+        md.fill_block_table(want, r2t, fb.req_pool_indices, md.page_columns(width, ps)[:npages], ps)
+        assert torch.equal(m.block_table[:, :npages], want)
+        tree = md.pack_qlen_mask(fb.spec_info.custom_mask, real, q_len)
+        assert m.tree_mask.tolist() == tree.tolist() + [[0] * q_len] * (bs - real)
+        return m, len(kern.batches)
+
+    m1, n = step(batch(3, 5, 20))
+    assert n == 1 and m1.block_table.shape == (3, -(-(20 + 5 + ps) // ps))
+    ptrs = (m1.kv_lens.data_ptr(), m1.block_table.data_ptr(), m1.tree_mask.data_ptr())
+    for _ in range(3):  # same shape, new values: the same buffers, no new check
+        m, n = step(batch(3, 5, 20))
+        assert n == 1 and m.batch is m1.batch
+        assert (m.kv_lens.data_ptr(), m.block_table.data_ptr(), m.tree_mask.data_ptr()) == ptrs
+    m, n = step(batch(3, 5, 20, pad=1))  # padded rows: same tensors, same check
+    assert n == 1
+    _, n = step(batch(3, 5, 20 + 2 * ps))  # more pages: checked again (the buffer grows)
+    assert n == 2
+    _, n = step(batch(3, 5, 20 + 2 * ps))
+    assert n == 2
+    big = be._eager["block_table"]
+    _, n = step(batch(2, 5, 20 + 2 * ps))  # smaller bs: checked again, same buffers
+    assert n == 3 and be._eager["block_table"] is big
+    _, n = step(batch(2, 4, 20 + 2 * ps))  # another q_len: checked again
+    assert n == 4
+    _, n = step(batch(2, 4, 20 + 2 * ps))
+    assert n == 4
+    _, n = step(batch(2, 4, 20))  # fewer pages: another block-table view, checked again
+    assert n == 5 and be._eager["block_table"] is big
+
+    # graph replays: the whole table row is passed, so only bs / q_len re-check
+    be._graph = {"kv_lens": torch.zeros(4, dtype=torch.int32), "block_table": torch.zeros(4, width // ps, dtype=torch.int32),
+                 "tree": torch.zeros(4, 5, dtype=torch.int64), "ws_verify": torch.zeros(64), "ws_decode": None}
+    _, n = step(batch(4, 5, 20), graph=True)
+    assert n == 6
+    _, n = step(batch(4, 5, 30), graph=True)
+    assert n == 6
+    _, n = step(batch(3, 5, 30), graph=True)
+    assert n == 7
+    _, n = step(batch(2, 4, 20))  # the eager slot kept its own check
+    assert n == 7
 
 
 # ----------------------------------------------------------------------------- docs: heads per rank

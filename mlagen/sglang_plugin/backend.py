@@ -20,6 +20,13 @@ largest captured batch; ``init_forward_metadata_out_graph`` (run eagerly before 
 before every replay) refills kv_lens / block table / tree bitmasks in place, zeroing the
 ``num_padding`` padded rows' kv_len so they output 0. The captured kernels only read these
 private buffers, never req_to_token or the scheduler's seq_lens.
+
+Host time per step: on CUDA, a kernel whose module has ``fill_metadata`` fills kv_lens / block table /
+tree bitmasks in one launch (include/mlagen/mla_verify_metadata.cuh) instead of ~20 small torch ops
+(the helpers in ``metadata.py``, still the CPU path); eager steps reuse persistent buffers (grown
+when a larger batch / page count arrives; same-stream ordering makes reuse safe), and
+``check_batch`` runs only when the tensors it validates change (pointers, shapes, strides, q_len,
+workspace), not every step.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class MlagenMetadata:
     tree_mask: Optional[torch.Tensor]  # int64 [bs, q_len] or None
     workspace: torch.Tensor  # fp32 1-D
     batch: Any = None  # mlagen.ops.VerifyBatch: the above, validated once for every layer's launch
+    dims: tuple = ()  # the kernel's (heads, dim_qk, dim_v), read once per step instead of per layer
 
 
 class MlagenAttnBackend(_Base):
@@ -97,7 +105,11 @@ class MlagenAttnBackend(_Base):
         width = self.req_to_token.shape[1]
         self._cols = md.page_columns(width, self.page_size, self.device)
         self._causal = {}
-        self._eager_ws = {}
+        self._eager_ws = {}  # id(kernel) -> (kernel, workspace, largest bs it was checked for, smem cap then)
+        self._eager = None  # persistent eager buffers: kv_lens [rows], block_table [rows, cols], tree [rows, q]
+        self._batch_cache = {}  # (kind, graph) -> (key of the validated tensors, check_batch result)
+        self._kernel_info = {}  # id(kernel) -> (tree variant?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel)
+        self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
         self._graph = None
         self._graph_dims = None
@@ -135,13 +147,71 @@ class MlagenAttnBackend(_Base):
         return self._causal[q_len]
 
     def _eager_workspace(self, kernel, bs: int) -> torch.Tensor:
-        key = id(kernel)
-        ws = self._eager_ws.get(key)
+        """The kernel's eager workspace, grown for ``bs``. ``workspace_numel`` covers every batch size up
+        to its argument (non-decreasing in bs), so a size up to the largest one checked needs no new
+        look-up until the kernel's shared-memory cap (its split counts) changes."""
+        cap = getattr(kernel, "smem_per_sm_cap", None)
+        ent = self._eager_ws.get(id(kernel))
+        if ent is not None and ent[0] is kernel and bs <= ent[2] and ent[3] == cap:
+            return ent[1]
+        ws = ent[1] if ent is not None and ent[0] is kernel else None
         need = kernel.workspace_numel(bs, self.device)
         if ws is None or ws.numel() < need:
             ws = kernel.alloc_workspace(bs, self.device)
-            self._eager_ws[key] = ws
+        covered = max(bs, ent[2]) if ent is not None and ent[0] is kernel and ent[3] == cap else bs
+        self._eager_ws[id(kernel)] = (kernel, ws, covered, cap)
         return ws
+
+    def _info(self, kernel) -> tuple:
+        """(tree variant?, fused ``fill_metadata`` available?, (heads, dim_qk, dim_v), the kernel) of a
+        kernel, read once. Stand-in kernels (CPU tests) have no ``has_fill_metadata``: torch helpers."""
+        info = self._kernel_info.get(id(kernel))
+        if info is None or info[3] is not kernel:
+            v = kernel.variant
+            info = (v.mask == "tree", bool(getattr(kernel, "has_fill_metadata", False)),
+                    (getattr(v, "heads", None), getattr(v, "dim_qk", None), getattr(v, "dim_v", None)), kernel)
+            self._kernel_info[id(kernel)] = info
+        return info
+
+    def _eager_buffers(self, bs: int, npages: int, q_len: int) -> dict:
+        """Persistent eager buffers with >= bs rows, >= npages block-table columns and >= q_len tree
+        columns; grown (rows and columns doubled, columns capped at the table's page count) when a
+        batch needs more. Reuse is safe: every reader of a step's slices runs on the stream before
+        the next step's fill."""
+        e = self._eager
+        if (e is not None and bs <= e["rows"] and npages <= e["block_table"].shape[1]
+                and q_len <= e["tree"].shape[1]):
+            return e
+        full = -(-self.req_to_token.shape[1] // self.page_size)
+        rows, cols, qc = bs, npages, max(q_len, 1)
+        if e is not None:
+            rows = max(bs, 2 * e["rows"]) if bs > e["rows"] else e["rows"]
+            old = e["block_table"].shape[1]
+            cols = max(npages, min(full, 2 * old)) if npages > old else old
+            qc = max(qc, e["tree"].shape[1])
+        dev = self.device
+        self._eager = e = {
+            "rows": rows,
+            "kv_lens": torch.zeros(rows, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros(rows, cols, dtype=torch.int32, device=dev),
+            "tree": torch.zeros(rows, qc, dtype=torch.int64, device=dev),
+        }
+        return e
+
+    def _checked_batch(self, kind: str, graph: bool, kernel, kv_lens, table, q_len: int, tree, ws):
+        """``kernel.check_batch`` of these tensors, or the cached result when every input it validates
+        is unchanged: the same buffers (data pointers), shapes and strides, q_len, workspace and the
+        kernel's shared-memory cap (its split count)."""
+        key = (id(kernel), q_len, kv_lens.data_ptr(), kv_lens.shape[0], table.data_ptr(), table.shape,
+               table.stride(), None if tree is None else (tree.data_ptr(), tree.shape, tree.stride()),
+               ws.data_ptr(), ws.numel(), getattr(kernel, "smem_per_sm_cap", None))
+        slot = (kind, graph)
+        hit = self._batch_cache.get(slot)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
+        self._batch_cache[slot] = (key, batch)
+        return batch
 
     def _num_pages(self, forward_batch, bs: int, extra: int, graph: bool, in_capture: bool) -> int:
         """Block-table columns to refresh, from host values only (no device sync): SGLang's
@@ -174,19 +244,24 @@ class MlagenAttnBackend(_Base):
             npad = bs - orig
         return npad
 
-    def _pack_tree(self, custom: torch.Tensor, seq_lens: torch.Tensor, real: int, q_len: int) -> torch.Tensor:
-        """Tree bitmasks of the ``real`` requests from the verify input's custom mask: the QLEN_ONLY
-        layout this backend asks for (its verify-mask buffer, or SGLang's own allocation of exactly
-        real * q * q cells for a batch past the buffer), else SGLang's FULL_MASK layout (q * (seq_len
-        + q) cells per request, always more)."""
+    def _is_qlen_only(self, custom: torch.Tensor, real: int, q_len: int) -> bool:
+        """Whether the verify input's custom mask has the QLEN_ONLY layout this backend asks for (its
+        verify-mask buffer, or SGLang's own allocation of exactly real * q * q cells for a batch past
+        the buffer); else it is SGLang's FULL_MASK layout (q * (seq_len + q) cells per request, always more)."""
         vm = self._verify_mask
-        if ((vm is not None and vm.buffer.numel() and custom.data_ptr() == vm.buffer.data_ptr())
-                or custom.numel() == real * q_len * q_len):
+        return bool((vm is not None and vm.buffer.numel() and custom.data_ptr() == vm.buffer.data_ptr())
+                    or custom.numel() == real * q_len * q_len)
+
+    def _pack_tree(self, custom: torch.Tensor, seq_lens: torch.Tensor, real: int, q_len: int) -> torch.Tensor:
+        """Tree bitmasks of the ``real`` requests from the verify input's custom mask (torch helpers;
+        layout from :meth:`_is_qlen_only`)."""
+        if self._is_qlen_only(custom, real, q_len):
             return md.pack_qlen_mask(custom, real, q_len)
         return md.pack_full_mask(custom, seq_lens, q_len)
 
     def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False) -> MlagenMetadata:
         kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
+        is_tree, fused, dims, _ = self._info(kernel)
         spec_info = getattr(forward_batch, "spec_info", None)
         q_len = self._q_len(kind, spec_info)
         rpi = forward_batch.req_pool_indices
@@ -200,36 +275,45 @@ class MlagenAttnBackend(_Base):
             g = self._graph
             if bs > g["kv_lens"].shape[0]:
                 raise RuntimeError(f"mlagen: graph batch {bs} exceeds the captured max {g['kv_lens'].shape[0]}")
-            kv_lens, table = g["kv_lens"], g["block_table"]
+            kv_lens, table = g["kv_lens"][:bs], g["block_table"][:bs]
+            tree = g["tree"][:bs, :q_len] if is_tree else None
             ws = g["ws_verify"] if kind == "verify" else g["ws_decode"]
-        else:
-            kv_lens = torch.empty(bs, dtype=torch.int32, device=self.device)
-            table = torch.empty(bs, npages, dtype=torch.int32, device=self.device)
+        else:  # slices of persistent buffers: no allocation per step
+            e = self._eager_buffers(bs, npages, q_len if is_tree else 0)
+            kv_lens, table = e["kv_lens"][:bs], e["block_table"][:bs, :npages]
+            tree = e["tree"][:bs, :q_len] if is_tree else None
             ws = self._eager_workspace(kernel, bs)
-        md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
-        md.fill_block_table(table, self.req_to_token, rpi, self._cols[:npages], self.page_size)
 
-        tree = None
-        if kernel.variant.mask == "tree":
-            tree = (g["tree"][:bs, :q_len] if graph
-                    else torch.empty(bs, q_len, dtype=torch.int64, device=self.device))
+        mode, custom = None, None
+        if tree is not None:
             custom = getattr(spec_info, "custom_mask", None) if kind == "verify" else None
             if kind == "decode" or custom is None or in_capture:
                 # Decode (q_len 1) / no custom mask (SGLang then runs the drafts causally) / capture.
-                tree.copy_(self._causal_bits(q_len).expand(bs, q_len))
+                mode, custom = "causal", None
             else:
+                mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
+        if (fused and rpi.is_cuda and rpi.is_contiguous() and seq_lens.is_contiguous()
+                and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()))):
+            kernel.fill_metadata(kv_lens, table, seq_lens, rpi, self.req_to_token, extra=extra, num_padding=npad,
+                                 npages=npages, page_size=self.page_size, q_len=q_len, tree_mask=tree,
+                                 tree_mode=mode, custom_mask=custom)
+        else:  # the torch helpers (CPU, stand-in kernels, modules built before fill_metadata, other masks)
+            md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
+            md.fill_block_table(table, self.req_to_token, rpi, self._cols[:npages], self.page_size)
+            if mode == "causal":
+                tree.copy_(self._causal_bits(q_len).expand(bs, q_len))
+            elif mode is not None:
                 if real > 0:
                     tree[:real].copy_(self._pack_tree(custom, seq_lens[:real], real, q_len))
                 if npad > 0:
                     tree[real:bs].zero_()
-        kv_lens, table = kv_lens[:bs], table[:bs]
-        batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
+        batch = self._checked_batch(kind, graph, kernel, kv_lens, table, q_len, tree, ws)
         return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
-                              tree_mask=tree, workspace=ws, batch=batch)
+                              tree_mask=tree, workspace=ws, batch=batch, dims=dims)
 
     # ---------------------------------------------------------------- metadata API
     def init_forward_metadata(self, forward_batch):
-        """Eager metadata (no CUDA graph): fresh tensors, or the Triton fallback's metadata."""
+        """Eager metadata (no CUDA graph): the persistent eager buffers, or the Triton fallback's metadata."""
         kind = self._kind(forward_batch)
         if kind is None:
             self.forward_metadata = None
@@ -315,17 +399,21 @@ class MlagenAttnBackend(_Base):
     # ---------------------------------------------------------------- forward
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs) -> torch.Tensor:
         meta = self.forward_metadata
-        unsupported = [n for n, x in kwargs.items() if x is not None]
-        if unsupported:
-            raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
+        if kwargs:
+            unsupported = [n for n, x in kwargs.items() if x is not None]
+            if unsupported:
+                raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
             raise NotImplementedError("mlagen backend: logit capping is not supported")
         if (getattr(layer, "sliding_window_size", -1) or -1) > 0:
             raise NotImplementedError("mlagen backend: sliding-window attention layers are not supported")
         k_descale, v_descale = kv_descales(layer)
         if save_kv_cache and k is not None:
-            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+            KVWriteLoc = self._kv_write_loc
+            if KVWriteLoc is None:
+                from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+                self._kv_write_loc = KVWriteLoc
             k_scale = getattr(layer, "k_scale", None)
             if k_scale is not None and k_descale != 1.0:
                 k = k / k_scale  # as SGLang's Triton backend stores it (a new tensor: k stays unchanged)
@@ -336,13 +424,15 @@ class MlagenAttnBackend(_Base):
             qv = qv.contiguous()
         out = q.new_empty((qv.shape[0], H, DV))
         kernel, batch = meta.kernel, meta.batch
-        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        layer_id = layer.layer_id
+        kv = self.token_to_kv_pool.get_key_buffer(layer_id)
         scale = float(layer.scaling) * k_descale
-        if self._kv_checked.get(layer.layer_id) != kv.data_ptr():  # each layer's pool buffer, once
+        kv_ptr = kv.data_ptr()
+        if self._kv_checked.get(layer_id) != kv_ptr:  # each layer's pool buffer, once
             kernel.check_kv_cache(kv)
-            self._kv_checked[layer.layer_id] = kv.data_ptr()
-        if (qv.dtype == torch.bfloat16 and qv.shape[0] == batch.bs * batch.q_len and H == kernel.variant.heads
-                and D == kernel.variant.dim_qk and DV == kernel.variant.dim_v and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4)):
+            self._kv_checked[layer_id] = kv_ptr
+        if (qv.dtype == torch.bfloat16 and qv.shape[0] == batch.bs * batch.q_len and (H, D, DV) == meta.dims
+                and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4)):
             kernel.launch(batch, qv, kv, out, scale)  # the batch was checked in init_forward_metadata*
         else:  # the checked call: a clear ValueError for what does not fit
             kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
