@@ -272,7 +272,17 @@ class VerifyKernel:
         splits = self.num_splits(bs, dev)
         workspace = self._checked_workspace(workspace, bs, splits, dev, dict(
             block_table=block_table, kv_lens=kv_lens, tree_mask=tree_mask, req_pool_indices=req_pool_indices))
-        return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace)
+        o_part = workspace.data_ptr()
+        lse_part = o_part + bs * splits * v.rows_max * v.dim_v * 4
+        # module.run's batch arguments, in its order, resolved once for every layer's launch
+        head = (block_table.data_ptr(), block_table.stride(0),
+                req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
+                int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64), kv_lens.data_ptr(),
+                tree_mask.data_ptr() if tree_mask is not None else 0, tree_mask.stride(0) if tree_mask is not None else 0,
+                o_part, lse_part)
+        tail = (bs, q_len, splits, self.min_tiles_per_split())
+        return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace,
+                           (head, tail, dev.index))
 
     # ---- per-batch metadata in one launch (the SGLang backend's path)
     @property
@@ -391,10 +401,19 @@ class VerifyKernel:
         4-byte alignment, kv_cache passed by :meth:`check_kv_cache`, all on the batch's device, none
         overlapping the workspace; softmax_scale a finite float > 0. A wrong tensor is undefined
         behavior (out-of-bounds reads), not an error: use :meth:`__call__` for unchecked inputs.
-        CUDA-graph safe (no allocation, no synchronization).
+        CUDA-graph safe (no allocation, no synchronization). The batch's pointers and sizes were resolved by
+        check_batch; per layer only q, kv_cache, out, lse and the scale are read (a few µs of host time).
         """
-        return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
-                            batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale)
+        head, tail, dev_index = batch.launch_args
+        if dev_index != torch.cuda.current_device():
+            return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens,
+                                batch.tree_mask, batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits,
+                                softmax_scale)
+        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), kv_cache.stride(0), *head,
+                        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else 0,
+                        lse.stride(0) if lse is not None else 0, *tail, float(softmax_scale),
+                        torch.cuda.current_stream().cuda_stream)
+        return out, lse
 
     def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:
         """dtype / shape / stride checks of the per-batch tensors; returns bs."""
@@ -490,6 +509,7 @@ class VerifyBatch:
     tree_mask: torch.Tensor | None
     req_pool_indices: torch.Tensor | None
     workspace: torch.Tensor
+    launch_args: tuple = ()  # (run's batch arguments before out, after lse, device index): see check_batch
 
 
 def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: int | None = None) -> None:

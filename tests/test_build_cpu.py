@@ -184,7 +184,7 @@ def test_real_build_dimsplit_sm120_sm90(tmp_path, monkeypatch):
     for p in ptx:
         text = p.read_text()
         assert ".maxclusterrank" in text or ".reqnctapercluster" in text or ".explicitcluster" in text
-        assert "mapa.shared::cluster" in text and "st.shared::cluster" in text and "barrier.cluster" in text
+        assert "mapa.shared::cluster" in text and "st.async.shared::cluster" in text and "barrier.cluster" in text
         assert "mma.sync.aligned.m16n8k16" in text and "cp.async.mbarrier.arrive.noinc" in text
         assert ptxas.forbidden_in_ptx(text) == []
 

@@ -37,7 +37,7 @@ SPECS = {
     # dimsplit with two consumer warps per row tile (num_warps = 2 x row_tiles + 1): each scores 8 of a
     # sub-tile's 16 tokens and owns 128 output dims; P and row maxima cross through shared memory
     "k2_dsp": dict(name="gpu_k2_dsp", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
-                   schedule="dimsplit", block_n=32, stages=3, row_tiles=5, num_warps=11, load_width=["bulk", 128],
+                   schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=11, load_width=128,
                    mask="tree"),
     # pairs at other row counts: H16 (second cluster 4 live tiles), H1 q5 causal (1 tile, 5 rows), H64 q2
     # no mask (2 clusters of 4 tiles, 9 warps), q_len 1

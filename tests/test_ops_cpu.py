@@ -246,6 +246,7 @@ def _on_gpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(cuda_stream=7))
     monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def test_check_batch_then_launch_equals_the_checked_call(monkeypatch):
@@ -273,6 +274,10 @@ def test_check_batch_then_launch_equals_the_checked_call(monkeypatch):
     monkeypatch.setattr(ops, "_check_devices", no_checks, raising=False)
     k.launch(batch, d["q"], d["kv_cache"].view(100, 1, 576), out, scale)
     assert k.module.calls == 2 and k.module.args == want
+    # another current device: launch goes through the device guard, with the same arguments
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    k.launch(batch, d["q"], d["kv_cache"].view(100, 1, 576), out, scale)
+    assert k.module.calls == 3 and k.module.args == want
 
 
 @pytest.mark.parametrize("mutate, message", [

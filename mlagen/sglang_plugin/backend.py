@@ -276,11 +276,15 @@ class MlagenAttnBackend(_Base):
             if bs > g["kv_lens"].shape[0]:
                 raise RuntimeError(f"mlagen: graph batch {bs} exceeds the captured max {g['kv_lens'].shape[0]}")
             kv_lens, table = g["kv_lens"][:bs], g["block_table"][:bs]
+            table_checked = table
             tree = g["tree"][:bs, :q_len] if is_tree else None
             ws = g["ws_verify"] if kind == "verify" else g["ws_decode"]
         else:  # slices of persistent buffers: no allocation per step
             e = self._eager_buffers(bs, npages, q_len if is_tree else 0)
             kv_lens, table = e["kv_lens"][:bs], e["block_table"][:bs, :npages]
+            # The kernel reads ceil(kv_len / page_size) <= npages columns: the batch is checked on the
+            # buffer's full width, so a step whose page count moved (every step at page_size 1) hits the cache.
+            table_checked = e["block_table"][:bs]
             tree = e["tree"][:bs, :q_len] if is_tree else None
             ws = self._eager_workspace(kernel, bs)
 
@@ -307,7 +311,7 @@ class MlagenAttnBackend(_Base):
                     tree[:real].copy_(self._pack_tree(custom, seq_lens[:real], real, q_len))
                 if npad > 0:
                     tree[real:bs].zero_()
-        batch = self._checked_batch(kind, graph, kernel, kv_lens, table, q_len, tree, ws)
+        batch = self._checked_batch(kind, graph, kernel, kv_lens, table_checked, q_len, tree, ws)
         return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
                               tree_mask=tree, workspace=ws, batch=batch, dims=dims)
 
