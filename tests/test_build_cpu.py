@@ -203,12 +203,14 @@ def test_dimsplit_python_feasible_compiles_at_other_dims(tmp_path):
         nvcc = ninja_gen.nvcc_path()
     except ninja_gen.ToolchainError:
         pytest.skip("nvcc not available")
-    dims = [(512, 0, 128), (512, 96, 128), (512, 0, "bulk"), (256, 128, "bulk"), (128, 32, "bulk")]
+    # (kv_lora_rank, rope, load_width, num_warps): 11 = two consumer warps per row tile (pairs)
+    dims = [(512, 0, 128, 8), (512, 96, 128, 8), (512, 0, "bulk", 8), (256, 128, "bulk", 8), (128, 32, "bulk", 8),
+            (512, 64, 128, 11)]
     built = 0
-    for kv, rope, lw in dims:
+    for kv, rope, lw, warps in dims:
         (v,) = parse_spec(dict(heads_per_rank=8, q_len=9, kv_lora_rank=kv, qk_rope_head_dim=rope, load_width=lw,
                                page_size=64, nsplit="auto", block_n=32, stages=2, row_tiles=5, mask="tree",
-                               schedule="dimsplit", arch=["sm_120", "sm_90"])).variants()
+                               num_warps=warps, schedule="dimsplit", arch=["sm_120", "sm_90"])).variants()
         if infeasible_reason(v) is not None:
             continue
         src = tmp_path / f"{v.build_key}.cu"

@@ -172,6 +172,37 @@ def test_schedule_key_uri_and_feasibility():
         parse_spec(dict(base, schedule="onepass"))
 
 
+def test_dimsplit_pairs_num_warps_rules_and_resources():
+    """num_warps = 2 x row_tiles + 1 selects two consumer warps per row tile (MlaDimSplitConfig::kPairs):
+    half the score tiles and output dims per warp, a P / row-max exchange buffer, 4 Q k-steps from shared
+    memory; at most 5 row tiles (168 registers at 11 warps), the cp.async loader from 4 row tiles up
+    (the bulk loader spills), and rowblock keeps 4 / 8 / 16 warps."""
+    from mlagen.feasibility import dimsplit_pairs, infeasible_reason, resources
+
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3,
+                row_tiles=5, mask="tree", schedule="dimsplit")
+    (pair,) = parse_spec(dict(base, num_warps=11)).variants()
+    (single,) = parse_spec(dict(base, num_warps=8)).variants()
+    assert "_w11_rt5_st3_dimsplit_" in pair.uri and dimsplit_pairs(pair) and not dimsplit_pairs(single)
+    assert infeasible_reason(pair) is None and infeasible_reason(single) is None
+    rp, rs = resources(pair), resources(single)
+    # KV ring 3 x 32 x 296 x 2 + score exchange 10,240 + 26 mbarriers + Q (4 steps) 11,520 + pair buffer 10,240
+    assert rp.smem_bytes == 56832 + 10240 + 26 * 8 + 11520 + 10240 == 89040
+    assert (rp.regs_q, rp.regs_s, rp.regs_o) == (56, 8, 64) and (rs.regs_q, rs.regs_s, rs.regs_o) == (40, 16, 128)
+    assert "load_width must be 128" in infeasible_reason(dataclasses.replace(pair, load_width="bulk"))
+    (h64,) = parse_spec(dict(base, heads_per_rank=64, row_tiles=6, num_warps=13)).variants()
+    assert "at most 5 row tiles" in infeasible_reason(h64)
+    (h1,) = parse_spec(dict(base, heads_per_rank=1, q_len=5, row_tiles=1, num_warps=3, load_width="bulk",
+                            mask="causal")).variants()
+    assert dimsplit_pairs(h1) and infeasible_reason(h1) is None  # 3 warps: 255 registers, bulk fits
+    for w in (9, 10, 12):  # neither one warp per tile (<= 8) nor a pair per tile (11)
+        assert "num_warps 2 x row_tiles + 1 = 11" in infeasible_reason(dataclasses.replace(pair, num_warps=w))
+    (rb,) = parse_spec(dict(base, schedule="rowblock", row_tiles=1, num_warps=11, stages=2)).variants()
+    assert "schedule rowblock needs num_warps 4, 8 or 16, got 11" in infeasible_reason(rb)
+    with pytest.raises(SpecError, match="num_warps"):
+        parse_spec(dict(base, num_warps=17))
+
+
 def test_dimsplit_cp_async_loader_needs_whole_tokens_of_rope_per_instruction():
     """MlaDimSplitConfig's cp.async loader (load_width 128) static_asserts 32 % kRopeChunks == 0 with
     kRopeChunks = qk_rope_head_dim / 16: rope 0 (division by zero) and 96 (6 chunks) do not compile,

@@ -17,6 +17,7 @@ set -u
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 sglang_test() {
   python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
+  step pytest_metadata 150 python3 -m pytest -m gpu -q -rs tests/test_metadata_gpu.py  # the fused per-step metadata
   step pytest_sglang "${SGL_LIMIT:-240}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \
     python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py
   grep -E "mlagen vs triton|Error|error|FAILED|SKIPPED" "$OUT/pytest_sglang.log" | head -30
@@ -76,7 +77,7 @@ elif [ "$MODE" = release2 ]; then
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: its GPU tests (KTESTS: pytest -k expression), memcheck + racecheck of
   # MEMCHECK_URIS, then the H=8 bench shapes with only the tiles of KERNELS (globs), no baselines
-  step pytest_sched "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -x tests/test_kernel_gpu.py -k "${KTESTS:-dimsplit or ds_rows}"
+  step pytest_sched "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -x tests/test_kernel_gpu.py -k "${KTESTS:-dimsplit or ds_rows or dsp_rows}"
   grep -E "passed|failed|Error|assert" "$OUT/pytest_sched.log" | tail -12
   for u in ${MEMCHECK_URIS:-}; do
     step "memcheck_$u" 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
