@@ -1,6 +1,9 @@
 """Input generation for verify, tests and bench: fresh random problems plus the edge cases of
 issue #2 (empty splits, ragged last pages with NaN stale slots, mixed lengths, padded rows,
 pools over 4 GiB, runtime q_len below the variant's maximum, remapped req_pool_indices).
+
+fp8 (e4m3) KV problems (issue #12) come from :func:`make_fp8_problem` / :func:`fp8_cases`; nothing
+uses them yet (no kernel reads fp8, and :func:`verify_cases` stays bf16).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import math
 
 import torch
 
+from mlagen.reference import E4M3_NAN_BYTES, split_kv_scale
 from mlagen.spec import Variant
 
 
@@ -29,6 +33,7 @@ class Problem:
     mask: str
     tree_mask: torch.Tensor | None
     req_pool_indices: torch.Tensor | None = None
+    kv_scale: float | tuple[float, float] | None = None  # fp8 problems: descales (k_scale, v_scale)
 
     @property
     def batch_size(self) -> int:
@@ -39,8 +44,11 @@ class Problem:
                     req_pool_indices=self.req_pool_indices)
 
     def reference_args(self) -> dict:
-        return dict(q_len=self.q_len, page_size=self.page_size, softmax_scale=self.softmax_scale, mask=self.mask,
+        args = dict(q_len=self.q_len, page_size=self.page_size, softmax_scale=self.softmax_scale, mask=self.mask,
                     tree_mask=self.tree_mask, req_pool_indices=self.req_pool_indices)
+        if self.kv_scale is not None:
+            args["kv_scale"] = self.kv_scale
+        return args
 
 
 def random_tree(q_len: int, gen: torch.Generator) -> list[int]:
@@ -137,3 +145,118 @@ def verify_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bo
             min_slot = (4 << 30) // (v.dim_qk * 2) + 1024  # first referenced row past 4 GiB
             yield make_problem(v, [Q + 3000, Q + 100], device=device, min_slot=min_slot,
                                name="pool > 4 GiB (rows past 4 GiB)")
+
+
+# ------------------------------------------------------------------ fp8 (e4m3) KV cache, issue #12
+E4M3_MAX_BYTES = (0x7E, 0xFE)  # +448, -448
+
+
+def quantize_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """uint8 e4m3 bytes of ``x / scale`` the way SGLang 0.5.23 fills an fp8 MLA pool: k (bf16) divided
+    by ``layer.k_scale`` in bf16 (triton_backend.py:1727, :2329), then ``.to(torch.float8_e4m3fn)``
+    (memory_pool.py:4971): round to nearest even. Finite values are clamped to +-448 first, so the
+    bytes do not depend on whether the installed torch saturates or returns NaN on overflow; NaN stays NaN.
+    """
+    q = x.to(torch.bfloat16)
+    if float(scale) != 1.0:
+        q = q / torch.tensor(float(scale), dtype=torch.float32, device=q.device)
+    q = q.float().clamp(-448.0, 448.0)
+    return q.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def referenced_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                     req_pool_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [n] sorted cache slots of every visible position (pos < kv_len) of every request."""
+    table = block_table.to("cpu", torch.int64)
+    rows = req_pool_indices.tolist() if req_pool_indices is not None else list(range(int(kv_lens.shape[0])))
+    out = []
+    for b, L in enumerate(kv_lens.tolist()):
+        if L > 0:
+            pos = torch.arange(int(L))
+            out.append(table[int(rows[b]), pos // page_size] * page_size + pos % page_size)
+    return torch.cat(out).unique() if out else torch.zeros(0, dtype=torch.int64)
+
+
+def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[float, float] = 1.0,
+                     special: bool = False, q_len: int | None = None, device="cuda", seed: int | None = None,
+                     name: str = "fp8 random", remap_rows: bool = False, kv3d: bool = False, as_bytes: bool = False,
+                     pool_slots: int | None = None, min_slot: int = 0) -> Problem:
+    """A random problem for ``v``'s shape with an fp8 e4m3 KV cache (not used by :func:`verify_cases`).
+
+    The layout (pages, block table, q, tree) is :func:`make_problem`'s. Visible KV rows are fresh
+    N(0, 1) values quantized by :func:`quantize_e4m3` with k_scale (SGLang stores k / k_scale), so
+    they dequantize to about the bf16 magnitudes; ``kv_scale`` is a number (k = v scale) or a
+    (k_scale, v_scale) pair and is carried in ``Problem.kv_scale``. Every slot no request reads
+    (unreferenced pool rows, stale slots of ragged last pages) holds NaN bytes, 0x7f or 0xff at
+    random: a kernel that reads past kv_len or an unused page slot poisons its output.
+
+    special: also write, into visible rows of every non-empty request, e4m3's extremes: one row with
+    +-448 (bytes 0x7e / 0xfe) in 8 random dims, one row with 64 random dims subnormal (bytes 0x01-0x07
+    with random sign, 2^-9 .. 7 x 2^-9), and 16 dims of one row +-0 (0x00 / 0x80).
+    Returns:
+        Problem whose kv_cache is float8_e4m3fn (uint8 with ``as_bytes``) [num_slots, 576], or
+        [num_slots, 1, 576] with ``kv3d`` (SGLang's MLA pool shape).
+    """
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+    layout_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    base = make_problem(v, kv_lens, q_len=q_len, device="cpu", seed=layout_seed, name=name, pool_slots=pool_slots,
+                        min_slot=min_slot, poison_pool=False, remap_rows=remap_rows)
+    k_scale, _ = split_kv_scale(kv_scale)
+    num_slots, D = base.kv_cache.shape
+    used = referenced_slots(base.block_table, base.kv_lens, base.page_size, base.req_pool_indices)
+    kv = torch.tensor(E4M3_NAN_BYTES, dtype=torch.uint8)[torch.randint(0, 2, (num_slots, D), generator=gen)]
+    kv[used] = quantize_e4m3(torch.randn(int(used.numel()), D, generator=gen), k_scale)
+    if special:
+        rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
+        table = base.block_table.to(torch.int64)
+        P = base.page_size
+
+        def slot(b, pos):
+            return int(table[rows_of[b], pos // P]) * P + pos % P
+
+        for b, L in enumerate(kv_lens):
+            if L <= 0:
+                continue
+            r_max, r_sub, r_zero = (slot(b, int(torch.randint(0, L, (1,), generator=gen))) for _ in range(3))
+            dims = torch.randperm(D, generator=gen)
+            extremes = torch.tensor(E4M3_MAX_BYTES, dtype=torch.uint8)
+            kv[r_max, dims[:8]] = extremes[torch.randint(0, 2, (8,), generator=gen)]
+            sub = torch.randint(1, 8, (64,), generator=gen) | (torch.randint(0, 2, (64,), generator=gen) << 7)
+            kv[r_sub, dims[8:72]] = sub.to(torch.uint8)
+            kv[r_zero, dims[72:88]] = (torch.randint(0, 2, (16,), generator=gen) << 7).to(torch.uint8)
+    cache = kv if as_bytes else kv.view(torch.float8_e4m3fn)
+    if kv3d:
+        cache = cache.view(num_slots, 1, D)
+
+    def dev(t):
+        return t.to(device) if t is not None else None
+
+    return dataclasses.replace(base, q=dev(base.q), kv_cache=cache.to(device), block_table=dev(base.block_table),
+                               kv_lens=dev(base.kv_lens), tree_mask=dev(base.tree_mask),
+                               req_pool_indices=dev(base.req_pool_indices), kv_scale=kv_scale)
+
+
+def fp8_cases(v: Variant, device="cuda", *, quick: bool = False):
+    """Yield the fp8 KV case set for ``v``'s shape (fresh random data each call; not in verify_cases
+    until a kernel reads fp8): descales 1, 0.37, 3.1 and a (0.37, 3.1) pair, e4m3's extremes (+-448,
+    subnormals, +-0), NaN-byte stale slots of ragged pages, padded rows, remapped rows in a
+    [slots, 1, 576] uint8 pool, runtime q_len below the maximum; ``quick`` skips the 128k case."""
+    Q, P = v.q_len, v.page_size
+    yield make_fp8_problem(v, [Q + 1000, Q + 37, Q + 4096 + 5], device=device, name="fp8 random mixed lengths, scale 1")
+    yield make_fp8_problem(v, [Q + 700, Q + 9], kv_scale=0.37, device=device, name="fp8 k_scale = v_scale = 0.37")
+    yield make_fp8_problem(v, [Q + 700, Q + 9], kv_scale=3.1, device=device, name="fp8 k_scale = v_scale = 3.1")
+    yield make_fp8_problem(v, [Q + 300, Q + 20], kv_scale=(0.37, 3.1), device=device,
+                           name="fp8 k_scale 0.37, v_scale 3.1 (applied to scores / output)")
+    yield make_fp8_problem(v, [Q + 500, Q + 3, max(1, Q)], kv_scale=0.37, special=True, device=device,
+                           name="fp8 +-448, subnormals, +-0")
+    yield make_fp8_problem(v, [P * 7 + (P // 2 or 1) + Q, P * 3 + 1 + Q], special=True, device=device,
+                           name="fp8 ragged last page, NaN-byte stale slots")
+    yield make_fp8_problem(v, [0, Q + 500, 0], device=device, name="fp8 padded rows kv_len 0")
+    yield make_fp8_problem(v, [Q + 300, Q + 20], kv_scale=3.1, remap_rows=True, kv3d=True, as_bytes=True, device=device,
+                           name="fp8 req_pool_indices remap, uint8 [slots,1,576] pool")
+    if Q > 1:
+        ql = max(1, Q // 2)
+        yield make_fp8_problem(v, [ql + 700, ql + 9], q_len=ql, device=device, name=f"fp8 runtime q_len {ql} < {Q}")
+    if not quick:
+        yield make_fp8_problem(v, [Q + 131072 + 77, Q + 5, Q + 2000], kv_scale=0.37, device=device,
+                               name="fp8 mixed 128k / tiny / 2k")

@@ -7,11 +7,97 @@ position j when the mask allows it (tree: bit j of ``tree_mask[b, i]``; causal: 
 always). Keys are all ``kv_lora_rank + qk_rope_head_dim`` dims of a cache row, values its first
 ``kv_lora_rank`` dims (absorbed MLA, DeepSeek-V3 paper §2.1 / FlashMLA's layout). A row with no
 visible key gets out = 0 and lse = -inf.
+
+fp8 KV cache (issue #12; not exposed by the spec or the backend yet): a cache of float8_e4m3fn
+values (or their uint8 bytes, SGLang's storage dtype) with per-tensor descales k_scale / v_scale.
+The bytes are the truth: key = e4m3(byte) x k_scale, value = e4m3(byte)[:kv_lora_rank] x v_scale,
+each one fp32 rounding of the decoded byte times fp32(scale); q, out and lse are as for bf16.
+That is SGLang 0.5.23's Triton backend: scores = (q . k_fp8) x sm_scale x k_scale
+(kernels/ops/attention/extend_attention.py:646, decode_attention.py:1305), out = (P V_fp8) x v_scale
+(extend_attention.py:713, decode_attention.py:1016); see docs/fp8-kv-cache.md.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value (bytes 0x7e / 0xfe)
+E4M3_NAN_BYTES = (0x7F, 0xFF)  # the only NaN encodings; e4m3fn has no infinities
+
+
+def _e4m3_value(byte: int) -> float:
+    """The value of one float8_e4m3fn byte, decoded from its fields: sign (bit 7), exponent (bits 6-3,
+    bias 7), mantissa (bits 2-0). Exponent 0 is subnormal (m x 2^-9); exponent 15 with mantissa 7 is
+    NaN; every other pattern is finite, up to 1.75 x 2^8 = 448."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 0x7
+    if e == 0xF and m == 0x7:
+        return float("nan")
+    if e == 0:
+        return sign * math.ldexp(m, -9)
+    return sign * math.ldexp(8 + m, e - 10)  # (1 + m / 8) x 2^(e - 7)
+
+
+_E4M3_TABLE = torch.tensor([_e4m3_value(b) for b in range(256)], dtype=torch.float32)  # exact in fp32
+
+
+def is_fp8_kv(kv_cache: torch.Tensor) -> bool:
+    """True for an fp8 (e4m3) KV cache: dtype float8_e4m3fn, or uint8 holding its bytes."""
+    return kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
+
+
+def e4m3_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """uint8 view of an fp8 KV tensor (float8_e4m3fn or uint8; no copy).
+
+    Raises:
+        TypeError: any other dtype.
+    """
+    if kv.dtype == torch.uint8:
+        return kv
+    if kv.dtype == torch.float8_e4m3fn:
+        return kv.view(torch.uint8)
+    raise TypeError(f"expected an fp8 e4m3 KV tensor (float8_e4m3fn or uint8 bytes), got {kv.dtype}")
+
+
+def dequantize_e4m3(kv: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 values of e4m3 KV entries times a per-tensor scale.
+
+    Args:
+        kv: float8_e4m3fn, or uint8 bytes of them (SGLang's MLA pool stores uint8 [slots, 1, 576] and
+            views it as float8_e4m3fn), any shape.
+        scale: the descale (SGLang ``layer.k_scale_float`` / ``v_scale_float``; 1.0 without scales),
+            rounded to fp32 as a kernel receives it.
+    Returns:
+        fp32, the shape of ``kv``: the decoded byte (exact in fp32) times fp32(scale), one rounding.
+        NaN bytes (0x7f, 0xff) give NaN; 0x80 gives -0.0.
+    """
+    b = e4m3_bytes(kv)
+    out = _E4M3_TABLE.to(b.device)[b.long()]
+    s = float(torch.tensor(float(scale), dtype=torch.float32))
+    return out if s == 1.0 else out * s
+
+
+def split_kv_scale(kv_scale) -> tuple[float, float]:
+    """(k_scale, v_scale) of a ``kv_scale`` argument: None -> (1.0, 1.0), a number -> (s, s), a pair as is.
+
+    Raises:
+        ValueError: a scale that is not finite and positive, or a sequence that is not a pair.
+    """
+    if kv_scale is None:
+        return 1.0, 1.0
+    if isinstance(kv_scale, (int, float)):
+        ks = vs = float(kv_scale)
+    else:
+        pair = tuple(kv_scale)
+        if len(pair) != 2:
+            raise ValueError(f"kv_scale must be a number or a (k_scale, v_scale) pair, got {kv_scale!r}")
+        ks, vs = float(pair[0]), float(pair[1])
+    for name, x in (("k_scale", ks), ("v_scale", vs)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return ks, vs
 
 
 def visible_mask(kv_len: int, q_len: int, mask: str, tree_rows: torch.Tensor | None) -> torch.Tensor:
@@ -52,20 +138,34 @@ def gather_slots(block_table: torch.Tensor, row: int, kv_len: int, page_size: in
 def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
                          *, q_len: int, page_size: int, softmax_scale: float, kv_lora_rank: int = 512,
                          mask: str = "tree", tree_mask: torch.Tensor | None = None,
-                         req_pool_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 reference on the bf16 inputs.
+                         req_pool_indices: torch.Tensor | None = None,
+                         kv_scale: float | tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference on the bf16 (or fp8 KV) inputs.
 
     Args:
         q: bf16 [bs*q_len, H, D] with D = kv_lora_rank + qk_rope_head_dim (576).
-        kv_cache: bf16 [num_slots, D] or [num_slots, 1, D].
+        kv_cache: bf16 [num_slots, D] or [num_slots, 1, D]; or an fp8 e4m3 cache of the same shape,
+            dtype float8_e4m3fn or uint8 (its bytes).
         block_table: int32 [rows, max_pages] page ids (page_size 1: slot ids, SGLang's req_to_token).
         kv_lens: int [bs] cached tokens per request including the q_len draft tokens.
         tree_mask: int64 [bs, q_len] bitmasks (mask 'tree').
         req_pool_indices: optional int [bs]: request b uses block_table row req_pool_indices[b].
+        kv_scale: per-tensor descales, a number (k_scale = v_scale) or a (k_scale, v_scale) pair; None
+            is (1.0, 1.0). Keys are the stored rows x k_scale, values their first kv_lora_rank dims x
+            v_scale (:func:`dequantize_e4m3` for fp8), so scores = q . k_stored x softmax_scale x k_scale
+            and out = softmax(scores) V_stored x v_scale: SGLang 0.5.23's Triton backend
+            (extend_attention.py:646 / :713, decode_attention.py:1305 / :1016; docs/fp8-kv-cache.md).
+            Only rows of visible positions (< kv_len) are read: NaN bytes elsewhere never matter.
     Returns:
-        out fp32 [bs*q_len, H, kv_lora_rank], lse fp32 [bs*q_len, H] (natural log; -inf when no key is visible).
+        out fp32 [bs*q_len, H, kv_lora_rank], lse fp32 [bs*q_len, H] (natural log of the scaled scores;
+        -inf when no key is visible).
     """
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1])
+    fp8 = is_fp8_kv(kv)
+    if fp8:
+        kv = e4m3_bytes(kv)
+    k_scale, v_scale = split_kv_scale(kv_scale)
+    scaled = fp8 or kv_scale is not None
     bs = kv_lens.shape[0]
     H = q.shape[1]
     out = torch.zeros(bs * q_len, H, kv_lora_rank, dtype=torch.float32, device=q.device)
@@ -77,8 +177,17 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         if L <= 0:
             continue
         slots = gather_slots(block_table, int(rows[b]), L, page_size)
-        k = kv[slots].float()  # [L, D]
-        v = k[:, :kv_lora_rank]
+        if scaled:
+            stored = kv[slots.to(kv.device)]
+            if fp8:
+                k = dequantize_e4m3(stored, k_scale).to(q.device)  # [L, D]
+                v = dequantize_e4m3(stored[:, :kv_lora_rank], v_scale).to(q.device)
+            else:
+                k = stored.float() * k_scale
+                v = stored[:, :kv_lora_rank].float() * v_scale
+        else:
+            k = kv[slots].float()  # [L, D]
+            v = k[:, :kv_lora_rank]
         qb = q[b * q_len:(b + 1) * q_len].float()  # [q_len, H, D]
         s = torch.einsum("ihd,ld->ihl", qb, k) * softmax_scale
         vis = visible_mask(L, q_len, mask, tree_mask[b] if tree_mask is not None else None).to(q.device)
@@ -91,11 +200,24 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
 
 
 def mla_verify_naive(q, kv_cache, block_table, kv_lens, *, q_len, page_size, softmax_scale, kv_lora_rank=512,
-                     mask="tree", tree_mask=None):
-    """Per-token, per-head, per-key loop in float64 (CPU, tiny shapes): the check on the reference."""
-    import math
+                     mask="tree", tree_mask=None, kv_scale=None):
+    """Per-token, per-head, per-key loop in float64 (CPU, tiny shapes): the check on the reference.
 
-    kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1]).double().cpu()
+    ``kv_cache`` and ``kv_scale`` as in :func:`mla_verify_reference`; an fp8 cache is decoded from its
+    bytes field by field (float64, scale rounded to fp32: the products are exact).
+    """
+    kv2 = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1]).cpu()
+    if kv_scale is None and not is_fp8_kv(kv2):
+        kv = kv2.double()
+        kvv = kv
+    else:
+        ks, vs = (float(torch.tensor(s, dtype=torch.float32)) for s in split_kv_scale(kv_scale))
+        if is_fp8_kv(kv2):
+            table = torch.tensor([_e4m3_value(b) for b in range(256)], dtype=torch.float64)
+            base = table[e4m3_bytes(kv2).long()]
+        else:
+            base = kv2.double()
+        kv, kvv = base * ks, base * vs
     qd = q.double().cpu()
     bs, H = kv_lens.shape[0], q.shape[1]
     out = torch.zeros(bs * q_len, H, kv_lora_rank, dtype=torch.float64)
@@ -115,7 +237,7 @@ def mla_verify_naive(q, kv_cache, block_table, kv_lens, *, q_len, page_size, sof
                             continue
                     slot = int(block_table[b, j // page_size]) * page_size + j % page_size
                     scores.append(float(qd[b * q_len + i, h] @ kv[slot]) * softmax_scale)
-                    vals.append(kv[slot, :kv_lora_rank])
+                    vals.append(kvv[slot, :kv_lora_rank])
                 if not scores:
                     continue
                 m = max(scores)
