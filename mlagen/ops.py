@@ -404,8 +404,8 @@ class VerifyKernel:
         CUDA-graph safe (no allocation, no synchronization). The batch's pointers and sizes were resolved by
         check_batch; per layer only q, kv_cache, out, lse and the scale are read (a few µs of host time).
         """
-        head, tail, dev_index = batch.launch_args
-        if dev_index != torch.cuda.current_device():
+        head, tail, dev_index = batch.launch_args or ((), (), None)
+        if dev_index is None or dev_index != torch.cuda.current_device():  # another device, or a hand-made batch
             return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens,
                                 batch.tree_mask, batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits,
                                 softmax_scale)

@@ -278,6 +278,10 @@ def test_check_batch_then_launch_equals_the_checked_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     k.launch(batch, d["q"], d["kv_cache"].view(100, 1, 576), out, scale)
     assert k.module.calls == 3 and k.module.args == want
+    # a batch built by hand (no resolved launch arguments) takes the same guarded path
+    import dataclasses
+    k.launch(dataclasses.replace(batch, launch_args=()), d["q"], d["kv_cache"].view(100, 1, 576), out, scale)
+    assert k.module.calls == 4 and k.module.args == want
 
 
 @pytest.mark.parametrize("mutate, message", [
