@@ -141,6 +141,10 @@ def _dimsplit_reason(v: Variant) -> str | None:
     if not (v.row_tiles + 1 <= v.num_warps <= 8 or v.num_warps == pair_warps):
         return (f"schedule dimsplit needs num_warps 2 x row_tiles + 1 = {pair_warps} (two warps per row tile) or in "
                 f"[row_tiles + 1, 8] = [{v.row_tiles + 1}, 8] (one), got {v.num_warps}")
+    if dimsplit_pairs(v) and v.row_tiles == 4:
+        # 9 warps leave 168 registers per thread; nvcc 13.0 spills 8 B on sm_90 there (tree mask, cp.async loader)
+        return ("schedule dimsplit with two warps per row tile spills at row_tiles 4 (9 warps, 168 registers on "
+                "sm_90): use num_warps 5 (one warp per row tile)")
     if dimsplit_pairs(v) and v.load_width == "bulk" and v.row_tiles >= 4:
         # the bulk producer's extra registers spill at 168 per thread (sm_90, nvcc 13.0: 4 B with 11 warps)
         return ("schedule dimsplit with two warps per row tile loads with 16-byte cp.async at this size: "

@@ -39,14 +39,14 @@ SPECS = {
     "k2_dsp": dict(name="gpu_k2_dsp", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
                    schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=11, load_width=128,
                    mask="tree"),
-    # pairs at other row counts: H16 (second cluster 4 live tiles), H1 q5 causal (1 tile, 5 rows), H64 q2
-    # no mask (2 clusters of 4 tiles, 9 warps), q_len 1
+    # pairs at other row counts: H16 (second cluster 4 live tiles), H1 q5 causal (1 tile, 5 rows), H16 q2
+    # no mask (1 cluster of 2 tiles, 5 warps), q_len 1
     "dsp_rows": [dict(name="gpu_dsp_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
                       schedule="dimsplit", row_tiles=5, num_warps=11, block_n=32, stages=2, load_width=128),
                  dict(name="gpu_dsp_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
                       schedule="dimsplit", row_tiles=1, num_warps=3, block_n=32, stages=2, load_width=128),
-                 dict(name="gpu_dsp_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
-                      schedule="dimsplit", row_tiles=4, num_warps=9, block_n=32, stages=3, load_width=128),
+                 dict(name="gpu_dsp_h16q2", heads_per_rank=16, q_len=2, page_size=1, nsplit="auto", mask="none",
+                      schedule="dimsplit", row_tiles=2, num_warps=5, block_n=32, stages=3, load_width=128),
                  dict(name="gpu_dsp_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
                       schedule="dimsplit", row_tiles=1, num_warps=3, block_n=32, stages=3, load_width="bulk")],
     # extremes of H, other masks, odd q_len

@@ -354,6 +354,25 @@ def test_backend_prepare_eager_and_graph(ps):
     assert fbk.calls[1:] == [("state", 4), ("out_graph", "decode", True)]
 
 
+def test_graph_batch_with_more_draft_tokens_than_the_buffers_is_refused_before_any_fill():
+    """A replay whose num_tokens_per_req exceeds the tree buffer's width (sized from verify_q_len at
+    init_cuda_graph_state) raises before the metadata fill, which would write past the buffer."""
+    pytest.importorskip("sglang")
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    mr, _ = _runner(1)
+    be = MlagenAttnBackend(mr, verify_kernel=_Kernel(8, "tree"), decode_kernel=None, fallback=_Fallback())
+    tree = torch.full((2, 4), -7, dtype=torch.int64)
+    be._graph = {"kv_lens": torch.zeros(2, dtype=torch.int32), "block_table": torch.zeros(2, 32, dtype=torch.int32),
+                 "tree": tree, "ws_verify": torch.zeros(64), "ws_decode": None}
+    spec = types.SimpleNamespace(custom_mask=torch.ones(2 * 6 * 6, dtype=torch.uint8), num_tokens_per_req=6)
+    fb = types.SimpleNamespace(forward_mode=_Mode("verify"), spec_info=spec, batch_size=2,
+                               req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([5, 9]), max_seq_len_host=9)
+    with pytest.raises(RuntimeError, match="6 draft tokens per request exceeds the 4"):
+        be.init_forward_metadata_out_graph(fb)
+    assert (tree == -7).all() and be.verify_kernel.batches == []
+
+
 # ----------------------------------------------------------------------------- SGLang plugin loading
 @pytest.fixture
 def sgl_plugins(monkeypatch):

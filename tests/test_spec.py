@@ -192,6 +192,8 @@ def test_dimsplit_pairs_num_warps_rules_and_resources():
     assert "load_width must be 128" in infeasible_reason(dataclasses.replace(pair, load_width="bulk"))
     (h64,) = parse_spec(dict(base, heads_per_rank=64, row_tiles=6, num_warps=13)).variants()
     assert "at most 5 row tiles" in infeasible_reason(h64)
+    (h4q16,) = parse_spec(dict(base, heads_per_rank=4, q_len=16, row_tiles=4, num_warps=9)).variants()
+    assert "spills at row_tiles 4" in infeasible_reason(h4q16)  # nvcc 13.0, sm_90: 8 B at 168 registers
     (h1,) = parse_spec(dict(base, heads_per_rank=1, q_len=5, row_tiles=1, num_warps=3, load_width="bulk",
                             mask="causal")).variants()
     assert dimsplit_pairs(h1) and infeasible_reason(h1) is None  # 3 warps: 255 registers, bulk fits

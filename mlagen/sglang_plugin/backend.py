@@ -275,6 +275,9 @@ class MlagenAttnBackend(_Base):
             g = self._graph
             if bs > g["kv_lens"].shape[0]:
                 raise RuntimeError(f"mlagen: graph batch {bs} exceeds the captured max {g['kv_lens'].shape[0]}")
+            if is_tree and q_len > g["tree"].shape[1]:  # before the fill writes past the buffer's rows
+                raise RuntimeError(f"mlagen: graph batch of {q_len} draft tokens per request exceeds the "
+                                   f"{g['tree'].shape[1]} the CUDA-graph buffers were sized for")
             kv_lens, table = g["kv_lens"][:bs], g["block_table"][:bs]
             table_checked = table
             tree = g["tree"][:bs, :q_len] if is_tree else None
