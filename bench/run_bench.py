@@ -56,10 +56,9 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rows = H * q_len
     rt = [1] if rows <= 16 else [1, 2] if rows <= 96 else [2, 3]
     rt = sorted(set(rt) | {dimsplit_row_tiles(rows)})  # dimsplit: one row-tile count per shape
-    warps = sorted({4, 8, 16, 2 * dimsplit_row_tiles(rows) + 1})  # dimsplit: 2 x row_tiles + 1 = two warps per row tile
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
                 nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3, 4], row_tiles=rt,
-                num_warps=warps, overlap=[0, 1], schedule=["rowblock", "dimsplit"],
+                num_warps=[4, 8, 16], overlap=[0, 1], schedule=["rowblock", "dimsplit"],
                 load_width=["bulk", 128])  # rowblock: bulk beat 128-bit cp.async at every H200 grid shape
 
 

@@ -272,15 +272,8 @@ class VerifyKernel:
         splits = self.num_splits(bs, dev)
         workspace = self._checked_workspace(workspace, bs, splits, dev, dict(
             block_table=block_table, kv_lens=kv_lens, tree_mask=tree_mask, req_pool_indices=req_pool_indices))
-        o_part = workspace.data_ptr()
-        lse_part = o_part + bs * splits * v.rows_max * v.dim_v * 4
-        # module.run's batch arguments, in its order, resolved once for every layer's launch
-        head = (block_table.data_ptr(), block_table.stride(0),
-                req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
-                int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64), kv_lens.data_ptr(),
-                tree_mask.data_ptr() if tree_mask is not None else 0, tree_mask.stride(0) if tree_mask is not None else 0,
-                o_part, lse_part)
-        tail = (bs, q_len, splits, self.min_tiles_per_split())
+        head, tail = self._batch_run_args(block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs, q_len,
+                                          splits)  # resolved once for every layer's launch
         return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace,
                            (head, tail, dev.index))
 
@@ -404,16 +397,13 @@ class VerifyKernel:
         CUDA-graph safe (no allocation, no synchronization). The batch's pointers and sizes were resolved by
         check_batch; per layer only q, kv_cache, out, lse and the scale are read (a few µs of host time).
         """
-        head, tail, dev_index = batch.launch_args or ((), (), None)
-        if dev_index is None or dev_index != torch.cuda.current_device():  # another device, or a hand-made batch
-            return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens,
-                                batch.tree_mask, batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits,
-                                softmax_scale)
-        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv_cache.data_ptr(), kv_cache.stride(0), *head,
-                        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else 0,
-                        lse.stride(0) if lse is not None else 0, *tail, float(softmax_scale),
-                        torch.cuda.current_stream().cuda_stream)
-        return out, lse
+        if batch.launch_args and batch.launch_args[2] == torch.cuda.current_device():
+            head, tail, _ = batch.launch_args
+            self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, torch.cuda.current_stream().cuda_stream)
+            return out, lse
+        # another current device, or a batch built by hand (no resolved arguments)
+        return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
+                            batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale)
 
     def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:
         """dtype / shape / stride checks of the per-batch tensors; returns bs."""
@@ -458,25 +448,30 @@ class VerifyKernel:
                 raise ValueError(f"workspace overlaps {name}")
         return workspace
 
+    def _batch_run_args(self, block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs: int, q_len: int,
+                        splits: int) -> tuple[tuple, tuple]:
+        """module.run's per-batch arguments, in its order: (those between kv_cache and out, those between lse
+        and the scale). The workspace holds o_part [bs, splits, rows_max, dim_v] then lse_part (fp32)."""
+        o_part = workspace.data_ptr()
+        lse_part = o_part + bs * splits * self.variant.rows_max * self.variant.dim_v * 4
+        head = (block_table.data_ptr(), block_table.stride(0),
+                req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
+                int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64), kv_lens.data_ptr(),
+                tree_mask.data_ptr() if tree_mask is not None else 0, tree_mask.stride(0) if tree_mask is not None else 0,
+                o_part, lse_part)
+        return head, (bs, q_len, splits, self.min_tiles_per_split())
+
+    def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int) -> None:
+        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
+                        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else 0,
+                        lse.stride(0) if lse is not None else 0, *tail, float(softmax_scale), stream)
+
     def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
                 softmax_scale):
-        rows_max, DV = self.variant.rows_max, self.variant.dim_v
-        o_part = workspace.data_ptr()
-        lse_part = o_part + bs * splits * rows_max * DV * 4
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+        head, tail = self._batch_run_args(block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs, q_len,
+                                          splits)
         with torch.cuda.device(q.device):
-            self.module.run(
-                q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0),
-                block_table.data_ptr(), block_table.stride(0),
-                req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
-                int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64),
-                kv_lens.data_ptr(),
-                tree_mask.data_ptr() if tree_mask is not None else 0,
-                tree_mask.stride(0) if tree_mask is not None else 0,
-                o_part, lse_part, out.data_ptr(), out.stride(0), out.stride(1),
-                lse.data_ptr() if lse is not None else 0, lse.stride(0) if lse is not None else 0,
-                bs, q_len, splits, self.min_tiles_per_split(), float(softmax_scale), stream,
-            )
+            self._run_module(q, kv2, head, tail, out, lse, softmax_scale, torch.cuda.current_stream(q.device).cuda_stream)
         return out, lse
 
 

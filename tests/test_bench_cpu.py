@@ -114,6 +114,8 @@ def test_sglang_available_never_raises_and_gives_reason(monkeypatch):
     monkeypatch.setattr(sb, "_kernels", None)
     monkeypatch.setattr(sb, "_import_error", None)
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    for name in [m for m in sys.modules if m.startswith("sglang.")]:  # submodules other tests imported
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sb, "_bare_import", lambda: (_ for _ in ()).throw(ImportError("nope")))
     ok2, why2 = sb.sglang_available()
     assert not ok2 and "sglang" in why2 and "nope" in why2

@@ -155,11 +155,9 @@ class MlagenAttnBackend(_Base):
         if ent is not None and ent[0] is kernel and bs <= ent[2] and ent[3] == cap:
             return ent[1]
         ws = ent[1] if ent is not None and ent[0] is kernel else None
-        need = kernel.workspace_numel(bs, self.device)
-        if ws is None or ws.numel() < need:
+        if ws is None or ws.numel() < kernel.workspace_numel(bs, self.device):
             ws = kernel.alloc_workspace(bs, self.device)
-        covered = max(bs, ent[2]) if ent is not None and ent[0] is kernel and ent[3] == cap else bs
-        self._eager_ws[id(kernel)] = (kernel, ws, covered, cap)
+        self._eager_ws[id(kernel)] = (kernel, ws, bs, cap)  # reached only for a bs past the checked one (or a new cap)
         return ws
 
     def _info(self, kernel) -> tuple:
