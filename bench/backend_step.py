@@ -54,6 +54,22 @@ def _profile(fn, title: str, reps: int = 5) -> None:
 EAGER_BAR_US = 60.0  # eager step <= captured step + this, for one layer
 
 
+def _gpu_us(fn, reps: int) -> float:
+    """Median GPU µs of ``fn``'s work with the host hidden: a sleep kernel queued first keeps the GPU busy
+    while the host enqueues ``fn``, and the timing events bracket only ``fn``'s kernels."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: longer than fn's host time
+        st.record()
+        fn()
+        en.record()
+        en.synchronize()
+        ts.append(st.elapsed_time(en) * 1e3)
+    return statistics.median(ts)
+
+
 def _host_us(fn, reps: int) -> float:
     """Median host (wall) time of ``fn`` in µs: from the call to its return, the GPU idle at the start."""
     ts = []
@@ -68,10 +84,43 @@ def _host_us(fn, reps: int) -> float:
 
 def _checked_launch(kernel):
     """``kernel.launch`` through the fully checked call (every tensor checked on every layer)."""
-    def launch(batch, q, kv_cache, out, softmax_scale, lse=None):
+    def launch(batch, q, kv_cache, out, softmax_scale, lse=None, new_kv=()):
         return kernel(q, kv_cache, batch.block_table, batch.kv_lens, q_len=batch.q_len, softmax_scale=softmax_scale,
                       tree_mask=batch.tree_mask, out=out, lse=lse, workspace=batch.workspace)
     return launch
+
+
+def _breakdown(be, layer, fb, b, T, reps: int) -> None:
+    """Host µs (median, GPU idle at each start) of the parts of one eager step of mlagen's backend."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    be.init_forward_metadata(fb)
+    meta = be.forward_metadata
+    kern, batch = meta.kernel, meta.batch
+    H = layer.tp_q_head_num
+    qv = b.q.reshape(-1, H, layer.qk_head_dim)
+    out = b.q.new_empty((qv.shape[0], H, layer.v_head_dim))
+    kv = be.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v = b.k[..., :512]
+    fill = kern.fill_metadata
+    parts = [
+        ("init_forward_metadata", lambda: be.init_forward_metadata(fb)),
+        ("forward_extend (KV write + launch)", lambda: T._forward(be, layer, fb, b.q, b.k, "verify")),
+        ("metadata + forward_extend", lambda: (be.init_forward_metadata(fb), T._forward(be, layer, fb, b.q, b.k, "verify"))),
+        ("pool.set_kv_buffer (SGLang)", lambda: be.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(fb), b.k, v)),
+        ("kernel.launch (partial + combine)", lambda: kern.launch(batch, qv, kv, out, 0.1)),
+        ("empty CUDA launch (torch add_)", lambda: out.add_(0)),
+    ]
+    print("\nhost µs of the parts of one eager step (median; GPU idle at each start)\n\n| part | host µs |\n|---|---|")
+    for label, fn in parts:
+        fn()
+        print(f"| {label} | {_host_us(fn, reps):.1f} |")
+    try:
+        kern.fill_metadata = lambda *x, **kw: None
+        print(f"| init_forward_metadata, fill_metadata a no-op (Python only) | {_host_us(lambda: be.init_forward_metadata(fb), reps):.1f} |")
+    finally:
+        kern.__dict__.pop("fill_metadata", None)
+    assert kern.fill_metadata == fill
 
 
 def main() -> int:
@@ -86,6 +135,9 @@ def main() -> int:
                     help="also print torch.profiler's top ops of each backend's eager step (first bs and context)")
     ap.add_argument("--layers", type=int, default=61,
                     help="layers of the host-time eager step (first bs and context; 0: skip)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print the host time (µs, GPU idle at the start) of each part of mlagen's one-layer eager "
+                         "step (first bs and context): metadata, the KV write, the kernel launch")
     ap.add_argument("--uri", help="which of the variants built here to use (bulk bn32 w8 rt1 st2 auto for these H/q/ps; "
                     "the only one built today)")
     a = ap.parse_args()
@@ -112,8 +164,8 @@ def main() -> int:
     runner, ref, ours, layer = T._make_backends(sgl, {("verify", H, ps, "tree"): k}, H, ps, q, "verify", "tree")
     gen = torch.Generator().manual_seed(7)
     print(f"\n| H | q_len | bs | ctx | mlagen graph µs | Triton graph µs | speedup | mlagen eager µs | Triton eager µs "
-          f"| mlagen eager - graph µs (<= {EAGER_BAR_US:.0f}) | max |diff| |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| mlagen eager - graph µs (<= {EAGER_BAR_US:.0f}) | mlagen eager GPU µs (host hidden) | max |diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     host_rows, failed = [], []
     for bs in bss:
         T_tok = bs * q
@@ -130,17 +182,22 @@ def main() -> int:
                     return T._forward(be, layer, fb, b.q, b.k, "verify")
                 outs[name] = eager().float()
                 res[name + "_eager"] = events_median_us(eager, max(5, a.reps // 5))
+                res[name + "_eager_gpu"] = _gpu_us(eager, max(5, a.reps // 5))
                 if a.profile_eager and bs == bss[0] and ctx == ctxs[0]:
                     _profile(eager, f"{name} eager step, bs {bs} ctx {ctx}")
+                if a.breakdown and name == "ours" and bs == bss[0] and ctx == ctxs[0]:
+                    _breakdown(be, layer, fb_eager, b, T, max(20, a.reps))
                 if a.layers and bs == bss[0] and ctx == ctxs[0]:
                     def step(be=be, fb=fb_eager):
                         be.init_forward_metadata(fb)
                         for _ in range(a.layers):
                             T._forward(be, layer, fb, b.q, b.k, "verify")
-                    variants = [("Triton", None)] if name == "ref" else [("mlagen", None), ("mlagen, checked call per layer", _checked_launch(k))]
+                    variants = [("Triton", None)] if name == "ref" else [
+                        ("mlagen", None), ("mlagen, SGLang's KV write + checked call per layer", _checked_launch(k))]
                     for label, launch in variants:
-                        if launch is not None:
+                        if launch is not None:  # the per-layer path before the launch took over the KV write
                             k.launch = launch
+                            be._pool_write_ok = False
                         try:
                             step()
                             host_rows.append((label, _host_us(step, max(5, a.reps // 5)),
@@ -149,6 +206,7 @@ def main() -> int:
                                 _profile(step, f"{label}: {a.layers}-layer eager step, bs {bs} ctx {ctx}", reps=2)
                         finally:
                             k.__dict__.pop("launch", None)
+                            be._pool_write_ok = None
                 fb = b.forward_batch()
                 be.init_forward_metadata_out_graph(fb, in_capture=True)
                 s = torch.cuda.Stream()
@@ -171,7 +229,8 @@ def main() -> int:
                 failed.append((bs, ctx, excess))
             print(f"| {H} | {q} | {bs} | {ctx} | {res['ours_graph']:.1f} | {res['ref_graph']:.1f} | "
                   f"{res['ref_graph'] / res['ours_graph']:.1f}x | {res['ours_eager']:.1f} | {res['ref_eager']:.1f} | "
-                  f"{excess:.1f}{'' if excess <= EAGER_BAR_US else ' (over)'} | {diff:.3g} |", flush=True)
+                  f"{excess:.1f}{'' if excess <= EAGER_BAR_US else ' (over)'} | {res['ours_eager_gpu']:.1f} | {diff:.3g} |",
+                  flush=True)
     if host_rows:
         print(f"\n{a.layers}-layer eager verify step, bs {bss[0]} ctx {ctxs[0]} (median; host = Python to return, "
               f"GPU idle at the start)\n\n| path | host µs | step µs (CUDA events) |\n|---|---|---|")

@@ -116,6 +116,12 @@ class VerifyKernel:
         self._sm: dict[int, int] = {}
         self.smem_per_sm_cap: int | None = None  # set by limit_smem_per_sm
 
+    @property
+    def has_new_kv(self) -> bool:
+        """Whether the module's run() takes this step's draft rows (k_new, kv_write_loc; ABI 2). Modules
+        built before it have no such arguments: rebuild them with ``mlagen build``."""
+        return int(getattr(self.module, "run_abi", 1)) >= 2
+
     # ---- split policy
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
@@ -194,7 +200,7 @@ class VerifyKernel:
 
     # ---- launch
     def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len: int, softmax_scale: float, tree_mask=None,
-                 req_pool_indices=None, out=None, lse=None, workspace=None):
+                 req_pool_indices=None, out=None, lse=None, workspace=None, k_new=None, kv_write_loc=None):
         """Verify attention for a batch; returns ``(out, lse)``.
 
         Args:
@@ -210,8 +216,15 @@ class VerifyKernel:
             out: optional bf16 [bs*q_len, H, kv_lora_rank]; lse: optional fp32 [bs*q_len, H] (natural log).
             workspace: optional fp32 1-D from :meth:`alloc_workspace`. With out and workspace given,
                 the call allocates nothing and never synchronizes (CUDA-graph safe).
+            k_new: optional bf16 [bs*q_len, D] or [bs*q_len, 1, D]: this step's draft rows (SGLang's ``k``
+                of the layer). Draft token i of request b (position kv_len - q_len + i) is then read from
+                row b*q_len + i of k_new, never from kv_cache. Rows contiguous and 16-byte aligned.
+            kv_write_loc: optional int64 [bs*q_len] cache slots (SGLang's ``out_cache_loc``); with k_new,
+                the launch also stores the k_new rows to those kv_cache rows (the KV write SGLang's
+                ``set_kv_buffer`` does, in the same launch); slots outside [0, num_slots) are skipped.
         Raises:
-            ValueError: a tensor has the wrong dtype, shape, device, strides or alignment; nothing is launched.
+            ValueError: a tensor has the wrong dtype, shape, device, strides or alignment, kv_write_loc
+                without k_new, or k_new with a module built before draft-row support; nothing is launched.
             RuntimeError: the CUDA launch failed.
         """
         v = self.variant
@@ -239,13 +252,50 @@ class VerifyKernel:
                 raise ValueError(f"lse must have a contiguous last dim and non-overlapping rows; strides {lse.stride()}")
         if workspace is not None:
             _check(workspace, "workspace", torch.float32, ndim=1)
-        _check_devices(q.device, [q, kv2, block_table, kv_lens, out, tree_mask, req_pool_indices, lse, workspace])
+        k_new2 = self._check_new_kv(k_new, kv_write_loc, bs * q_len, kv2)
+        _check_devices(q.device, [q, kv2, block_table, kv_lens, out, tree_mask, req_pool_indices, lse, workspace,
+                                  k_new2, kv_write_loc])
         splits = self.num_splits(bs, q.device)
         workspace = self._checked_workspace(workspace, bs, splits, q.device, dict(
             q=q, kv_cache=kv2, block_table=block_table, kv_lens=kv_lens, out=out, lse=lse, tree_mask=tree_mask,
-            req_pool_indices=req_pool_indices))
+            req_pool_indices=req_pool_indices, k_new=k_new2, kv_write_loc=kv_write_loc))
         return self._launch(q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse,
-                            bs, q_len, splits, softmax_scale)
+                            bs, q_len, splits, softmax_scale, self._new_kv_args(k_new2, kv_write_loc, kv2))
+
+    def _check_new_kv(self, k_new, kv_write_loc, tokens: int, kv2):
+        """Validate ``k_new`` / ``kv_write_loc`` of :meth:`__call__`; returns k_new's [tokens, D] view or None."""
+        if k_new is None:
+            if kv_write_loc is not None:
+                raise ValueError("kv_write_loc needs k_new (the rows to store)")
+            return None
+        if not self.has_new_kv:
+            raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it with "
+                             f"`mlagen build`")
+        D = self.variant.dim_qk
+        if isinstance(k_new, torch.Tensor) and k_new.dim() == 3:
+            if k_new.shape[1] != 1:
+                raise ValueError(f"k_new must be [{tokens}, {D}] or [{tokens}, 1, {D}], got {tuple(k_new.shape)}")
+            k_new = k_new.select(1, 0)
+        _check(k_new, "k_new", torch.bfloat16, shape=(tokens, D))
+        if k_new.stride(1) != 1 or (k_new.stride(0) * 2) % 16 or k_new.data_ptr() % 16:
+            raise ValueError(f"k_new rows must be contiguous and 16-byte aligned; strides {k_new.stride()}, "
+                             f"address % 16 = {k_new.data_ptr() % 16}")
+        if kv_write_loc is not None:
+            _check(kv_write_loc, "kv_write_loc", torch.int64, shape=(tokens,))
+            if not kv_write_loc.is_contiguous():
+                raise ValueError("kv_write_loc must be contiguous")
+            lo, hi = _span(kv2)
+            if k_new.numel() and _span(k_new)[0] < hi and lo < _span(k_new)[1]:
+                raise ValueError("k_new overlaps kv_cache, which the launch writes")
+        return k_new
+
+    @staticmethod
+    def _new_kv_args(k_new, kv_write_loc, kv2) -> tuple:
+        """module.run's draft-row arguments: (k_new, its row stride, kv_write_loc, cache slots)."""
+        if k_new is None:
+            return ()
+        return (k_new.data_ptr(), k_new.stride(0), kv_write_loc.data_ptr() if kv_write_loc is not None else 0,
+                kv2.shape[0])
 
     # ---- per-batch validation + per-layer launch (the SGLang backend's path)
     def check_batch(self, kv_lens, block_table, *, q_len: int, tree_mask=None, req_pool_indices=None,
@@ -346,16 +396,19 @@ class VerifyKernel:
                 if mode == _TREE_QLEN and mask_numel < need:
                     raise ValueError(f"QLEN_ONLY verify mask has {mask_numel} elements, {need} needed "
                                      f"for {bs - num_padding} requests of {q_len} draft tokens")
-        dev = kv_lens.device
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        idx = kv_lens.device.index
+        stream = _raw_stream(idx)
         args = (seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), req_pool_indices.data_ptr(),
                 int(req_pool_indices.dtype == torch.int64), req_to_token.data_ptr(), req_to_token.stride(0),
                 req_to_token.shape[0], mask_ptr, mask_numel, kv_lens.data_ptr(), block_table.data_ptr(),
                 block_table.stride(0), tree_mask.data_ptr() if tree_mask is not None else 0,
                 tree_mask.stride(0) if tree_mask is not None else 0, bs, num_padding, extra, npages, page_size,
                 q_len, mode, stream)
-        with torch.cuda.device(dev):
+        if idx == torch.cuda.current_device():
             self.module.fill_metadata(*args)
+        else:
+            with torch.cuda.device(idx):
+                self.module.fill_metadata(*args)
 
     def check_kv_cache(self, kv_cache) -> torch.Tensor:
         """Validate a KV cache for this variant; returns its [num_slots, D] view.
@@ -386,7 +439,7 @@ class VerifyKernel:
                 f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
         return kv2
 
-    def launch(self, batch: "VerifyBatch", q, kv_cache, out, softmax_scale: float, lse=None):
+    def launch(self, batch: "VerifyBatch", q, kv_cache, out, softmax_scale: float, lse=None, new_kv: tuple = ()):
         """Launch on a batch from :meth:`check_batch` without re-checking anything; returns ``(out, lse)``.
 
         The caller guarantees what :meth:`__call__` would check: q bf16 [bs*q_len, H, 576] and out bf16
@@ -396,14 +449,26 @@ class VerifyKernel:
         behavior (out-of-bounds reads), not an error: use :meth:`__call__` for unchecked inputs.
         CUDA-graph safe (no allocation, no synchronization). The batch's pointers and sizes were resolved by
         check_batch; per layer only q, kv_cache, out, lse and the scale are read (a few µs of host time).
+        ``new_kv``: () or :meth:`new_kv_args` of k_new / kv_write_loc as :meth:`__call__` takes them
+        (checked by the caller as __call__ checks them; the module must have ``has_new_kv``).
         """
         if batch.launch_args and batch.launch_args[2] == torch.cuda.current_device():
-            head, tail, _ = batch.launch_args
-            self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, torch.cuda.current_stream().cuda_stream)
+            head, tail, idx = batch.launch_args
+            self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, _raw_stream(idx), new_kv)
             return out, lse
         # another current device, or a batch built by hand (no resolved arguments)
         return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
-                            batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale)
+                            batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale, new_kv)
+
+    def new_kv_args(self, k_new, kv_write_loc, kv_cache) -> tuple:
+        """Checked draft-row arguments for :meth:`launch` (see :meth:`__call__` for k_new / kv_write_loc).
+
+        Raises:
+            ValueError: as :meth:`__call__` for these tensors.
+        """
+        kv2 = self.check_kv_cache(kv_cache)
+        k2 = self._check_new_kv(k_new, kv_write_loc, k_new.shape[0] if isinstance(k_new, torch.Tensor) else 0, kv2)
+        return self._new_kv_args(k2, kv_write_loc, kv2)
 
     def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:
         """dtype / shape / stride checks of the per-batch tensors; returns bs."""
@@ -461,18 +526,42 @@ class VerifyKernel:
                 o_part, lse_part)
         return head, (bs, q_len, splits, self.min_tiles_per_split())
 
-    def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int) -> None:
-        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
-                        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if lse is not None else 0,
-                        lse.stride(0) if lse is not None else 0, *tail, float(softmax_scale), stream)
+    def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int,
+                    new_kv: tuple = ()) -> None:
+        lse_args = (lse.data_ptr(), lse.stride(0)) if lse is not None else (0, 0)
+        if self.has_new_kv:
+            self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
+                            out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *(new_kv or _NO_NEW_KV), *tail,
+                            float(softmax_scale), stream)
+        elif new_kv:
+            raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it")
+        else:
+            self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
+                            out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *tail, float(softmax_scale), stream)
 
     def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
-                softmax_scale):
+                softmax_scale, new_kv: tuple = ()):
         head, tail = self._batch_run_args(block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs, q_len,
                                           splits)
         with torch.cuda.device(q.device):
-            self._run_module(q, kv2, head, tail, out, lse, softmax_scale, torch.cuda.current_stream(q.device).cuda_stream)
+            self._run_module(q, kv2, head, tail, out, lse, softmax_scale, torch.cuda.current_stream(q.device).cuda_stream,
+                             new_kv)
         return out, lse
+
+
+_NO_NEW_KV = (0, 0, 0, 0)
+
+
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU-only torch builds
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current stream's cudaStream_t on a device (what ``torch.cuda.current_stream().cuda_stream``
+    returns, without building a Stream object: the per-layer launch's host time; Triton's launcher
+    reads it the same way)."""
+    if _GET_RAW_STREAM is not None:
+        return _GET_RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -372,3 +372,53 @@ def test_fill_metadata_rejects_bad_input(monkeypatch, mutate, message):
                         tree_mode=d["tree_mode"], custom_mask=d["custom_mask"])
     assert message in str(e.value)
     assert k.module.calls == 0
+
+
+class _AbiModule(_ArgsModule):
+    run_abi = 2  # run() takes k_new, its row stride, kv_write_loc, num_slots after lse
+
+
+def test_new_kv_arguments_reach_run_in_order(monkeypatch):
+    """k_new / kv_write_loc go to run() between lse and the batch size (the template's order), the same
+    from __call__ and from launch(new_kv=new_kv_args(...)); an ABI-1 module gets the old argument list
+    and refuses k_new; bad draft-row tensors raise before anything is launched."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _AbiModule()
+    d = _inputs(bs=3)
+    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
+    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
+    k_new = torch.randn(27, 1, 576).to(torch.bfloat16)
+    loc = torch.randint(0, 100, (27,), dtype=torch.int64)
+    _call(k, d, out=out, workspace=ws, k_new=k_new, kv_write_loc=loc)
+    args = k.module.args
+    i = args.index(k_new.data_ptr())
+    assert args[i:i + 4] == (k_new.data_ptr(), 576, loc.data_ptr(), 100)
+    assert args[i + 4:i + 6] == (3, 9)  # batch size, q_len follow
+    _call(k, d, out=out, workspace=ws)
+    assert k.module.args[i:i + 4] == (0, 0, 0, 0) and len(k.module.args) == len(args)
+    batch = k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=ws)
+    k.launch(batch, d["q"], d["kv_cache"], out, 0.1, new_kv=k.new_kv_args(k_new, loc, d["kv_cache"]))
+    assert k.module.args[i:i + 4] == args[i:i + 4]
+
+    calls = k.module.calls
+    for kw, msg in ((dict(kv_write_loc=loc), "kv_write_loc needs k_new"),
+                    (dict(k_new=k_new[:-1]), "k_new must have shape"),
+                    (dict(k_new=k_new.float()), "k_new must be torch.bfloat16"),
+                    (dict(k_new=torch.randn(27, 2, 576).to(torch.bfloat16)), r"k_new must be \[27, 576\]"),
+                    (dict(k_new=torch.randn(27, 577).to(torch.bfloat16)[:, 1:]), "16-byte aligned"),
+                    (dict(k_new=k_new, kv_write_loc=loc.int()), "kv_write_loc must be torch.int64"),
+                    (dict(k_new=k_new, kv_write_loc=loc[:-1]), "kv_write_loc must have shape"),
+                    (dict(k_new=d["kv_cache"][:27], kv_write_loc=loc), "overlaps kv_cache")):
+        with pytest.raises(ValueError, match=msg):
+            _call(k, d, out=out, workspace=ws, **kw)
+    assert k.module.calls == calls, "a rejected call launched"
+
+    old = _kernel()
+    old.module = _ArgsModule()
+    assert not old.has_new_kv
+    _call(old, d, out=out, workspace=ws)
+    assert len(old.module.args) == len(args) - 4
+    with pytest.raises(ValueError, match="no draft-row support"):
+        _call(old, d, out=out, workspace=ws, k_new=k_new)
+    assert old.module.calls == 1

@@ -196,27 +196,32 @@ def kernels():
 
 
 # ----------------------------------------------------------------------------- stand-ins
-class _Pool:
-    """MLA KV pool: one layer, rows [slots, 1, 576] bf16, V = first 512 dims."""
+def _make_pool(slots, page_size, dev):
+    """MLA KV pool: one layer, rows [slots, 1, 576] bf16, V = first 512 dims. An ``MLATokenToKVPool`` whose
+    buffers are built here (SGLang's constructor needs a server context) and whose write door is
+    SGLang's own ``set_kv_buffer``, so the backend treats it as the plain bf16 MLA pool it is."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    def __init__(self, slots, page_size, dev):
-        self.size, self.page_size, self.start_layer, self.layer_num = slots, page_size, 0, 1
-        self.dtype = self.store_dtype = torch.bfloat16
-        self.kv_lora_rank, self.qk_rope_head_dim = 512, 64
-        self.kv_buffer = [torch.randn(slots + page_size, 1, 576, device=dev).to(torch.bfloat16)]
+    class _Pool(MLATokenToKVPool):
+        write_loc_is_dcp_resolved = True  # no decode-context parallelism here (SGLang's own flag)
 
-    def get_key_buffer(self, layer_id):
-        return self.kv_buffer[layer_id]
+        def __init__(self):  # noqa: D401 - SGLang's __init__ is not run (see above)
+            self.size, self.page_size, self.start_layer, self.layer_num = slots, page_size, 0, 1
+            self.dtype = self.store_dtype = torch.bfloat16
+            self.dsa_kv_cache_store_fp8 = False
+            self.kv_lora_rank, self.qk_rope_head_dim = 512, 64
+            self.kv_buffer = [torch.randn(slots + page_size, 1, 576, device=dev).to(torch.bfloat16)]
 
-    def get_value_buffer(self, layer_id):
-        return self.kv_buffer[layer_id][..., :512]
+        def get_key_buffer(self, layer_id):
+            return self.kv_buffer[layer_id]
 
-    def get_kv_buffer(self, layer_id):
-        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+        def get_value_buffer(self, layer_id):
+            return self.kv_buffer[layer_id][..., :512]
 
-    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
-        loc = getattr(loc_info, "loc", loc_info)
-        self.kv_buffer[layer.layer_id][loc] = cache_k.to(torch.bfloat16)
+        def get_kv_buffer(self, layer_id):
+            return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    return _Pool()
 
 
 class _Config(types.SimpleNamespace):
@@ -242,7 +247,7 @@ class _Runner:
         pages = perm.reshape(rows, pages_per_row)
         r2t = (pages[:, :, None] * page_size + torch.arange(page_size, device=dev)).reshape(rows, WIDTH)
         self.req_to_token_pool = types.SimpleNamespace(req_to_token=r2t.to(torch.int32).contiguous(), size=rows)
-        self.token_to_kv_pool = _Pool((rows * pages_per_row + 1) * page_size, page_size, dev)
+        self.token_to_kv_pool = _make_pool((rows * pages_per_row + 1) * page_size, page_size, dev)
         self.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=page_size)
         self.page_size, self.device, self.gpu_id = page_size, dev, torch.cuda.current_device()
         self.sliding_window_size, self.is_draft_worker = None, False
@@ -450,6 +455,18 @@ def test_eager_dp_padded_verify_matches_triton(sgl, kernels, ps):
         print(f"\n[dp-padded eager] ps={ps} real={real} bs={bs}: max err {err:.3e}")
 
 
+def _poison_rows(runner, layer, loc):
+    """NaN into the pool rows this step writes: the backend must read the draft tokens from k and store them."""
+    runner.token_to_kv_pool.get_key_buffer(layer.layer_id)[loc] = float("nan")
+
+
+def _check_written(runner, layer, loc, k, what):
+    """The pool rows at out_cache_loc hold exactly this step's k (what SGLang's KV write stores)."""
+    got = runner.token_to_kv_pool.get_key_buffer(layer.layer_id)[loc]
+    assert torch.equal(got.view(torch.int16), k.to(torch.bfloat16).reshape(got.shape).view(torch.int16)), \
+        f"{what}: KV rows at out_cache_loc differ from k after the step"
+
+
 def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
     gen = torch.Generator().manual_seed(1000 * H + ps + (7 if draft == "chain" else 0) + (3 if fp8_checkpoint else 0))
     q_len = (Q_TREE if draft == "tree" else Q_CHAIN) if role == "verify" else 1
@@ -466,8 +483,13 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
         for be in (ref, ours):
             fb = b.forward_batch(b.qlen_mask if be is ours and bs % 2 else None)
             be.init_forward_metadata(fb)
+            if be is ours:
+                _poison_rows(runner, layer, b.out_cache_loc)
             outs.append(_forward(be, layer, fb, b.q, b.k, role).float())
+            if be is ours:
+                _check_written(runner, layer, b.out_cache_loc, b.k, "eager")
         assert ours.forward_metadata is not None, "mlagen did not take the batch"
+        assert ours._kernel_writes_kv(), "the launch should store the KV rows itself on a plain bf16 MLA pool"
         errs["eager"] = max(errs["eager"], _check(outs[0], outs[1], "eager"))
 
     # ---- CUDA graphs: static buffers like the decode runner's, capture per bucket
@@ -538,8 +560,12 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False):
                        num_padding=bs - raw, max_seq_len_host=int(b.seq_lens.max()))
             be.init_forward_metadata_out_graph(view)
             g, out = graphs[(name, bs)]
+            if name == "ours":
+                _poison_rows(runner, layer, b.out_cache_loc)
             g.replay()
             outs[name] = out.float().clone()
+            if name == "ours":
+                _check_written(runner, layer, b.out_cache_loc, b.k, f"replay {it}")
         n_pad_seen += bs - raw
         err = _check(outs["ref"][:T_raw], outs["ours"][:T_raw], f"replay {it}: raw bs {raw} (bucket {bs})")
         errs["replay"] = max(errs["replay"], err)

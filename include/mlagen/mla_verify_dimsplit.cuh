@@ -32,6 +32,7 @@
 
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_new_kv.cuh"
 #include "mlagen/mla_verify_partial.cuh"  // key_visible
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
@@ -190,6 +191,12 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int prefix_len = kv_len - q_len;
   int tile_begin, tile_end;
   split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
+  // This step's draft rows to the cache (k_new + kv_write_loc): each CTA of the request's first cluster
+  // stores its half of the dims.
+  if (row_block == 0 && split == 0) {
+    store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
+    store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid, Cfg::kThreads);
+  }
   const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
   float* lse_part = p.lse_part + ws_row_base;
   if (tile_begin >= tile_end) {  // empty split (both CTAs): contributes nothing
@@ -223,12 +230,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
 
   if (warp == Cfg::kProducerWarp) {
-    // ---- producer: lane n loads token n of each tile (its slot is gathered one tile ahead).
-    auto slot_of = [&](int tile) -> int64_t {
+    // ---- producer: lane n loads token n of each tile (its row address is gathered one tile ahead).
+    auto slot_of = [&](int tile) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len
       const int pos = tile * Cfg::kBlockN + lane;
-      if (lane >= Cfg::kBlockN || pos >= kv_len) return -1;
-      const int64_t page = page_row[pos / Cfg::kPageSize];
-      return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+      if (lane >= Cfg::kBlockN || pos >= kv_len) return kNoSlot;
+      return token_row_addr<Cfg::kPageSize>(p, page_row, b, pos, prefix_len);
     };
     int64_t slot = slot_of(tile_begin);
     for (int i = 0; i < num_tiles; ++i) {
@@ -244,7 +250,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         __syncwarp();
         if (copy && lane < valid) {
           __nv_bfloat16* dst = dst_stage + lane * Cfg::kKvRowElems;
-          const __nv_bfloat16* src = p.kv + slot * p.kv_stride_slot;
+          const __nv_bfloat16* src = row_at(slot);
           ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
           if constexpr (Cfg::kRopeHalf > 0) {
             ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
@@ -256,7 +262,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : valid); ++n) {
           const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
           ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + lane * 8,
-                                  p.kv + sn * p.kv_stride_slot + rank * Cfg::kLatentHalf + lane * 8, true);
+                                  row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
         }
         if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
           constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
@@ -266,7 +272,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
             if (n < valid) {
               ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
-                                      p.kv + sn * p.kv_stride_slot + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8, true);
+                                      row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
             }
           }
         }

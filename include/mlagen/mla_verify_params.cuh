@@ -31,6 +31,15 @@ struct MlaVerifyParams {
   int64_t out_stride_tok, out_stride_head;
   float* lse;
   int64_t lse_stride_tok;
+  // This step's draft rows (optional; k_new null: every token is read from kv):
+  // k_new [bs * q_len, 576] bf16, row (b, i) at k_new + (b*q_len + i)*k_new_stride_tok, rows 16-byte aligned.
+  // Draft token i of request b (position kv_len - q_len + i) is then read from k_new, never from kv, and
+  // when kv_write_loc (int64 [bs * q_len], SGLang's out_cache_loc) is set, the rows are also stored to
+  // kv[kv_write_loc[b*q_len + i]] (slots outside [0, kv_num_slots) are skipped) for later steps.
+  const __nv_bfloat16* k_new;
+  int64_t k_new_stride_tok;
+  const int64_t* kv_write_loc;
+  int64_t kv_num_slots;
   int batch_size;
   int q_len;
   int num_splits;

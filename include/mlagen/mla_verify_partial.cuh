@@ -20,6 +20,7 @@
 
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_new_kv.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
@@ -98,6 +99,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   int tile_begin, tile_end;
   split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
 
+  if (row_block == 0 && split == 0) store_new_kv_rows(p, b, 0, Cfg::kDimQK, tid, Cfg::kThreads);
+
   const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
   float* lse_part = p.lse_part + ws_row_base;
   if (tile_begin >= tile_end) {  // empty split: contributes nothing
@@ -114,13 +117,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
 
   // ---- page-table gather: thread n < kBlockN owns token n of a tile. Its global load is issued
   // one iteration before the slot is needed, so the dependent load stays off the critical path.
-  auto slot_at = [&](int pos) -> int64_t {  // cache slot of token position pos < kv_len
-    const int64_t page = page_row[pos / Cfg::kPageSize];
-    return page * Cfg::kPageSize + pos % Cfg::kPageSize;
+  // "slot" below: the global address of a token's row (token_row_addr), kNoSlot past kv_len.
+  auto slot_at = [&](int pos) -> int64_t {  // row address of token position pos < kv_len (mla_verify_new_kv.cuh)
+    return token_row_addr<Cfg::kPageSize>(p, page_row, b, pos, prefix_len);
   };
   auto slot_of = [&](int tile) -> int64_t {
     const int pos = tile * Cfg::kBlockN + tid;
-    return tid < Cfg::kBlockN && pos < kv_len ? slot_at(pos) : -1;
+    return tid < Cfg::kBlockN && pos < kv_len ? slot_at(pos) : kNoSlot;
   };
   auto ring = [&](int tile) { return slot_smem + ((tile - tile_begin) % Cfg::kStages) * Cfg::kBlockN; };
 
@@ -134,8 +137,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
       const int n = c / Cfg::kChunksPerRow;
       const int chunk = c % Cfg::kChunksPerRow;
       const int64_t slot = slots[n];
-      const __nv_bfloat16* src = slot >= 0 ? p.kv + slot * p.kv_stride_slot + chunk * Cfg::kLoadElems : p.kv;
-      ptx::cp_async_zfill<Cfg::kLoadBytes>(dst_stage + n * Cfg::kKvRowElems + chunk * Cfg::kLoadElems, src, slot >= 0);
+      const bool valid = slot != kNoSlot;
+      const __nv_bfloat16* src = valid ? row_at(slot, chunk * Cfg::kLoadElems) : p.kv;
+      ptx::cp_async_zfill<Cfg::kLoadBytes>(dst_stage + n * Cfg::kKvRowElems + chunk * Cfg::kLoadElems, src, valid);
     }
   };
 
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   const bool bulk_lane = lane < Cfg::kBulkTokensPerWarp && bulk_n < Cfg::kBlockN;
   auto bulk_slot = [&](int tile) -> int64_t {
     const int pos = tile * Cfg::kBlockN + bulk_n;
-    return bulk_lane && pos < kv_len ? slot_at(pos) : -1;
+    return bulk_lane && pos < kv_len ? slot_at(pos) : kNoSlot;
   };
   auto bulk_load_tile = [&](int tile, int64_t slot) {
     const int stage = (tile - tile_begin) % Cfg::kStages;
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     if (tid == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, static_cast<uint32_t>(valid) * Cfg::kRowBytes);
     if (!bulk_lane) return;
     if (bulk_n < valid) {
-      ptx::bulk_copy_g2s(dst_stage + bulk_n * Cfg::kKvRowElems, p.kv + slot * p.kv_stride_slot, Cfg::kRowBytes,
+      ptx::bulk_copy_g2s(dst_stage + bulk_n * Cfg::kKvRowElems, row_at(slot), Cfg::kRowBytes,
                          full_bar + stage);
     } else {
       uint4* row = reinterpret_cast<uint4*>(dst_stage + bulk_n * Cfg::kKvRowElems);

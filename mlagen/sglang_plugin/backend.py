@@ -111,6 +111,9 @@ class MlagenAttnBackend(_Base):
         self._kernel_info = {}  # id(kernel) -> (tree variant?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel)
         self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
+        self._pool_write_ok = None  # whether the kernel may store the draft rows itself (see _kernel_writes_kv)
+        self._layers = {}  # id(layer) -> _layer_consts entry (per-layer constants, read once)
+        self._loc_ok = (None, 0, False)  # (out_cache_loc, T, whether it passed _new_kv's checks): once per step
         self._graph = None
         self._graph_dims = None
         self._fallback_graph_ready = False
@@ -193,8 +196,20 @@ class MlagenAttnBackend(_Base):
             "kv_lens": torch.zeros(rows, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(rows, cols, dtype=torch.int32, device=dev),
             "tree": torch.zeros(rows, qc, dtype=torch.int64, device=dev),
+            "views": {},  # (bs, q_len) -> (kv_lens[:bs], block_table[:bs], tree[:bs, :q_len] or None)
         }
         return e
+
+    def _eager_views(self, bs: int, npages: int, q_len: int) -> tuple:
+        """(kv_lens, block_table, tree) views of the persistent eager buffers for a batch of bs rows (the
+        block table at its full width: the kernel reads ceil(kv_len / page_size) <= npages columns, the
+        metadata fill writes npages), built once per (bs, q_len) while the buffers stay the same."""
+        e = self._eager_buffers(bs, npages, q_len)
+        views = e["views"].get((bs, q_len))
+        if views is None:
+            views = e["views"][(bs, q_len)] = (e["kv_lens"][:bs], e["block_table"][:bs],
+                                               e["tree"][:bs, :q_len] if q_len else None)
+        return views
 
     def _checked_batch(self, kind: str, graph: bool, kernel, kv_lens, table, q_len: int, tree, ws):
         """``kernel.check_batch`` of these tensors, or the cached result when every input it validates
@@ -264,7 +279,9 @@ class MlagenAttnBackend(_Base):
         q_len = self._q_len(kind, spec_info)
         rpi = forward_batch.req_pool_indices
         bs = int(rpi.shape[0])
-        seq_lens = forward_batch.seq_lens[:bs]
+        seq_lens = forward_batch.seq_lens
+        if seq_lens.shape[0] != bs:
+            seq_lens = seq_lens[:bs]
         real = bs - self._num_padding(forward_batch, bs)
         npad = bs - real
         extra = q_len if kind == "verify" else 0
@@ -280,13 +297,11 @@ class MlagenAttnBackend(_Base):
             table_checked = table
             tree = g["tree"][:bs, :q_len] if is_tree else None
             ws = g["ws_verify"] if kind == "verify" else g["ws_decode"]
-        else:  # slices of persistent buffers: no allocation per step
-            e = self._eager_buffers(bs, npages, q_len if is_tree else 0)
-            kv_lens, table = e["kv_lens"][:bs], e["block_table"][:bs, :npages]
+        else:  # views of persistent buffers: no allocation per step
             # The kernel reads ceil(kv_len / page_size) <= npages columns: the batch is checked on the
             # buffer's full width, so a step whose page count moved (every step at page_size 1) hits the cache.
-            table_checked = e["block_table"][:bs]
-            tree = e["tree"][:bs, :q_len] if is_tree else None
+            kv_lens, table_checked, tree = self._eager_views(bs, npages, q_len if is_tree else 0)
+            table = None  # the fused fill writes npages columns of the full-width table
             ws = self._eager_workspace(kernel, bs)
 
         mode, custom = None, None
@@ -299,10 +314,12 @@ class MlagenAttnBackend(_Base):
                 mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
         if (fused and rpi.is_cuda and rpi.is_contiguous() and seq_lens.is_contiguous()
                 and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()))):
-            kernel.fill_metadata(kv_lens, table, seq_lens, rpi, self.req_to_token, extra=extra, num_padding=npad,
+            kernel.fill_metadata(kv_lens, table_checked, seq_lens, rpi, self.req_to_token, extra=extra, num_padding=npad,
                                  npages=npages, page_size=self.page_size, q_len=q_len, tree_mask=tree,
                                  tree_mode=mode, custom_mask=custom)
         else:  # the torch helpers (CPU, stand-in kernels, modules built before fill_metadata, other masks)
+            if table is None:
+                table = table_checked[:, :npages]
             md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
             md.fill_block_table(table, self.req_to_token, rpi, self._cols[:npages], self.page_size)
             if mode == "causal":
@@ -313,7 +330,8 @@ class MlagenAttnBackend(_Base):
                 if npad > 0:
                     tree[real:bs].zero_()
         batch = self._checked_batch(kind, graph, kernel, kv_lens, table_checked, q_len, tree, ws)
-        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
+        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens,
+                              block_table=table if table is not None else table_checked,
                               tree_mask=tree, workspace=ws, batch=batch, dims=dims)
 
     # ---------------------------------------------------------------- metadata API
@@ -402,49 +420,120 @@ class MlagenAttnBackend(_Base):
         self.fallback.on_after_cuda_graph_warmup()
 
     # ---------------------------------------------------------------- forward
+    def _kernel_writes_kv(self) -> bool:
+        """Whether the verify launch may take over SGLang's KV write (``MLATokenToKVPool.set_kv_buffer``):
+        only for an MLA pool whose write door is that method (not a subclass's, e.g. the FP4 pool's), with
+        bf16 storage, no DSA fp8 store, no physical-loc plan and no decode-context-parallel write
+        translation, where the write is a plain row store of ``k`` at ``out_cache_loc``. Read once."""
+        if self._pool_write_ok is None:
+            pool = self.token_to_kv_pool
+            ok = False
+            try:
+                from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+                ok = (isinstance(pool, MLATokenToKVPool) and type(pool).set_kv_buffer is MLATokenToKVPool.set_kv_buffer
+                      and not getattr(pool, "requires_physical_write_loc", False) and pool.dtype == torch.bfloat16
+                      and getattr(pool, "store_dtype", None) == torch.bfloat16
+                      and not getattr(pool, "dsa_kv_cache_store_fp8", False)
+                      and int(pool._write_loc_dcp_span) == 1)
+            except Exception:  # another SGLang layout: SGLang's own write
+                ok = False
+            self._pool_write_ok = ok
+        return self._pool_write_ok
+
+    def _layer_consts(self, layer) -> tuple:
+        """(H, D, DV, k_descale, v_descale, softmax scale, layer id) of a RadixAttention layer, with its
+        unsupported features refused, read once per layer (re-read when its scaling or KV scales change).
+
+        Raises:
+            NotImplementedError: logit capping or sliding-window attention.
+            MlagenSetupError: KV scale tensors without loaded float scales (see :func:`kv_descales`).
+        """
+        d = layer.__dict__
+        key = (d.get("scaling"), d.get("k_scale_float"), d.get("v_scale_float"))
+        ent = self._layers.get(id(layer))
+        if ent is not None and ent[0] is layer and ent[1] == key:
+            return ent[2]
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise NotImplementedError("mlagen backend: logit capping is not supported")
+        if (getattr(layer, "sliding_window_size", -1) or -1) > 0:
+            raise NotImplementedError("mlagen backend: sliding-window attention layers are not supported")
+        k_descale, v_descale = kv_descales(layer)
+        consts = (layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim, k_descale, v_descale,
+                  float(layer.scaling) * k_descale, layer.layer_id)
+        self._layers[id(layer)] = (layer, key, consts)
+        return consts
+
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs) -> torch.Tensor:
         meta = self.forward_metadata
         if kwargs:
             unsupported = [n for n, x in kwargs.items() if x is not None]
             if unsupported:
                 raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
-        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
-            raise NotImplementedError("mlagen backend: logit capping is not supported")
-        if (getattr(layer, "sliding_window_size", -1) or -1) > 0:
-            raise NotImplementedError("mlagen backend: sliding-window attention layers are not supported")
-        k_descale, v_descale = kv_descales(layer)
-        if save_kv_cache and k is not None:
-            KVWriteLoc = self._kv_write_loc
-            if KVWriteLoc is None:
-                from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-                self._kv_write_loc = KVWriteLoc
-            k_scale = getattr(layer, "k_scale", None)
-            if k_scale is not None and k_descale != 1.0:
-                k = k / k_scale  # as SGLang's Triton backend stores it (a new tensor: k stays unchanged)
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
-        H, D, DV = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        H, D, DV, k_descale, v_descale, scale, layer_id = self._layer_consts(layer)
+        kernel, batch = meta.kernel, meta.batch
         qv = q.reshape(-1, H, D)
         if qv.stride(-1) != 1:
             qv = qv.contiguous()
-        out = q.new_empty((qv.shape[0], H, DV))
-        kernel, batch = meta.kernel, meta.batch
-        layer_id = layer.layer_id
+        T = qv.shape[0]
+        fast = (qv.dtype == torch.bfloat16 and T == batch.bs * batch.q_len and (H, D, DV) == meta.dims
+                and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4))
+        new_kv = ()
+        if save_kv_cache and k is not None:
+            if k_descale != 1.0:
+                k = k / layer.k_scale  # as SGLang's Triton backend stores it (a new tensor: k stays unchanged)
+            # The launch stores this step's rows itself (include/mlagen/mla_verify_new_kv.cuh) and reads the
+            # draft tokens from k: one launch instead of SGLang's write + ours.
+            if fast:
+                new_kv = self._new_kv(kernel, k, forward_batch, T, D)
+            if not new_kv:
+                KVWriteLoc = self._kv_write_loc
+                if KVWriteLoc is None:
+                    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+                    self._kv_write_loc = KVWriteLoc
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        out = q.new_empty((T, H, DV))
         kv = self.token_to_kv_pool.get_key_buffer(layer_id)
-        scale = float(layer.scaling) * k_descale
         kv_ptr = kv.data_ptr()
-        if self._kv_checked.get(layer_id) != kv_ptr:  # each layer's pool buffer, once
+        checked = self._kv_checked.get(layer_id)
+        if checked is None or checked[0] != kv_ptr:  # each layer's pool buffer, once
             kernel.check_kv_cache(kv)
-            self._kv_checked[layer_id] = kv_ptr
-        if (qv.dtype == torch.bfloat16 and qv.shape[0] == batch.bs * batch.q_len and (H, D, DV) == meta.dims
-                and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4)):
-            kernel.launch(batch, qv, kv, out, scale)  # the batch was checked in init_forward_metadata*
+            self._kv_checked[layer_id] = checked = (kv_ptr, kv.shape[0])
+        if fast:
+            # the batch was checked in init_forward_metadata*
+            if new_kv:
+                kernel.launch(batch, qv, kv, out, scale, new_kv=new_kv + (checked[1],))
+            else:
+                kernel.launch(batch, qv, kv, out, scale)
         else:  # the checked call: a clear ValueError for what does not fit
             kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
                    tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
         if v_descale != 1.0:
             out.mul_(v_descale)
         return out.view(-1, H * DV)
+
+    def _new_kv(self, kernel, k, forward_batch, T: int, D: int) -> tuple:
+        """(k_new address, row stride, out_cache_loc address) when the launch can store ``k`` itself
+        (the pool allows it, the module has draft-row support, k is bf16 [T, (1,) D] with 16-byte aligned
+        contiguous rows, out_cache_loc int64 [T] contiguous on k's device; the loc is checked once per
+        step); else () and SGLang writes."""
+        if not (self._kernel_writes_kv() and getattr(kernel, "has_new_kv", False)):
+            return ()
+        loc = getattr(forward_batch, "out_cache_loc", None)
+        seen, seen_t, ok = self._loc_ok
+        if seen is not loc or seen_t != T:
+            ok = (isinstance(loc, torch.Tensor) and loc.dtype == torch.int64 and loc.shape == (T,)
+                  and loc.is_contiguous() and loc.device == k.device)
+            self._loc_ok = (loc, T, ok)
+        if not ok:
+            return ()
+        s0 = k.stride(0)
+        ptr = k.data_ptr()
+        if (k.dtype != torch.bfloat16 or k.shape[0] != T or k.shape[-1] != D or k.numel() != T * D
+                or k.stride(-1) != 1 or s0 % 8 or ptr % 16):
+            return ()
+        return (ptr, s0, loc.data_ptr())
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta = self.forward_metadata
