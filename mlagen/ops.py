@@ -221,7 +221,10 @@ class VerifyKernel:
                 row b*q_len + i of k_new, never from kv_cache. Rows contiguous and 16-byte aligned.
             kv_write_loc: optional int64 [bs*q_len] cache slots (SGLang's ``out_cache_loc``); with k_new,
                 the launch also stores the k_new rows to those kv_cache rows (the KV write SGLang's
-                ``set_kv_buffer`` does, in the same launch); slots outside [0, num_slots) are skipped.
+                ``set_kv_buffer`` does, in the same launch); slots outside [0, num_slots) are skipped. The
+                store is not ordered against the launch's cache reads, so no kv_write_loc slot may be a
+                slot that a request reads at a prefix position (< kv_len - q_len): SGLang's out_cache_loc
+                are freshly allocated slots (or its padding slot); give -1 for rows not to store.
         Raises:
             ValueError: a tensor has the wrong dtype, shape, device, strides or alignment, kv_write_loc
                 without k_new, or k_new with a module built before draft-row support; nothing is launched.
@@ -460,14 +463,15 @@ class VerifyKernel:
         return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
                             batch.workspace, out, lse, batch.bs, batch.q_len, batch.splits, softmax_scale, new_kv)
 
-    def new_kv_args(self, k_new, kv_write_loc, kv_cache) -> tuple:
-        """Checked draft-row arguments for :meth:`launch` (see :meth:`__call__` for k_new / kv_write_loc).
+    def new_kv_args(self, batch: "VerifyBatch", k_new, kv_write_loc, kv_cache) -> tuple:
+        """Checked draft-row arguments of ``batch`` (bs * q_len rows) for :meth:`launch` (see :meth:`__call__`
+        for k_new / kv_write_loc).
 
         Raises:
             ValueError: as :meth:`__call__` for these tensors.
         """
         kv2 = self.check_kv_cache(kv_cache)
-        k2 = self._check_new_kv(k_new, kv_write_loc, k_new.shape[0] if isinstance(k_new, torch.Tensor) else 0, kv2)
+        k2 = self._check_new_kv(k_new, kv_write_loc, batch.bs * batch.q_len, kv2)
         return self._new_kv_args(k2, kv_write_loc, kv2)
 
     def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:

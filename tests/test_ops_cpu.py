@@ -398,7 +398,10 @@ def test_new_kv_arguments_reach_run_in_order(monkeypatch):
     _call(k, d, out=out, workspace=ws)
     assert k.module.args[i:i + 4] == (0, 0, 0, 0) and len(k.module.args) == len(args)
     batch = k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=ws)
-    k.launch(batch, d["q"], d["kv_cache"], out, 0.1, new_kv=k.new_kv_args(k_new, loc, d["kv_cache"]))
+    k.launch(batch, d["q"], d["kv_cache"], out, 0.1, new_kv=k.new_kv_args(batch, k_new, loc, d["kv_cache"]))
+    assert k.module.args[i:i + 4] == args[i:i + 4]
+    with pytest.raises(ValueError, match="k_new must have shape"):  # checked against the batch's bs * q_len
+        k.new_kv_args(batch, k_new[:-1], loc[:-1], d["kv_cache"])
     assert k.module.args[i:i + 4] == args[i:i + 4]
 
     calls = k.module.calls

@@ -36,6 +36,8 @@ struct MlaVerifyParams {
   // Draft token i of request b (position kv_len - q_len + i) is then read from k_new, never from kv, and
   // when kv_write_loc (int64 [bs * q_len], SGLang's out_cache_loc) is set, the rows are also stored to
   // kv[kv_write_loc[b*q_len + i]] (slots outside [0, kv_num_slots) are skipped) for later steps.
+  // The store is not ordered against this launch's cache reads: a kv_write_loc slot must not be one that
+  // any request reads at a prefix position (SGLang's out_cache_loc: fresh slots or its padding slot).
   const __nv_bfloat16* k_new;
   int64_t k_new_stride_tok;
   const int64_t* kv_write_loc;
