@@ -427,11 +427,14 @@ def test_eager_dp_padded_verify_matches_triton(sgl, kernels, ps):
     """DP attention (--enable-dp-attention) pads an eager verify batch to the largest rank's size
     (ForwardBatch.prepare_mlp_sync_batch: req_pool_indices 0, seq_len 1, _original_batch_size = the real
     count) while the custom mask covers only the real rows. The padded rows must not index the mask (a
-    device-side assert otherwise); the real rows equal Triton's on the unpadded batch, the padded rows 0."""
+    device-side assert otherwise); the real rows equal Triton's on the unpadded batch, the padded rows 0.
+    With attn_tp_size > 1 the tokens are also padded past bs * q_len (extra rows of q, k, out_cache_loc):
+    served the same way, the real rows' KV stored at out_cache_loc."""
     gen = torch.Generator().manual_seed(4242 + ps)
     H, q_len = 8, Q_TREE
     runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, "verify", "tree")
-    for real, bs in ((1, 2), (3, 8), (5, 16), (9, 9)):
+    # extra: token rows past bs * q_len, as with attn_tp_size > 1 (num_tokens aligned to it, bs = num_tokens // q_len)
+    for real, bs, extra in ((1, 2, 0), (3, 8, 0), (5, 16, 0), (9, 9, 0), (1, 1, 3), (4, 5, 7)):
         b = _Batch(sgl, runner, "verify", q_len, real, True, gen)
         fb = b.forward_batch()
         ref.init_forward_metadata(fb)
@@ -441,18 +444,23 @@ def test_eager_dp_padded_verify_matches_triton(sgl, kernels, ps):
         padded = _fb(sgl.ForwardMode.TARGET_VERIFY, bs,
                      torch.cat([b.rpi, torch.zeros(npad, dtype=b.rpi.dtype, device=dev)]),
                      torch.cat([b.seq_lens, torch.ones(npad, dtype=b.seq_lens.dtype, device=dev)]),
-                     torch.cat([b.out_cache_loc, torch.zeros(npad * q_len, dtype=torch.int64, device=dev)]),
+                     torch.cat([b.out_cache_loc, torch.zeros((npad * q_len + extra), dtype=torch.int64, device=dev)]),
                      b.spec_info())
-        padded._original_batch_size = real
-        q = torch.cat([b.q, torch.randn(npad * q_len, H, 576, device=dev).to(torch.bfloat16)])
-        k = torch.cat([b.k, torch.zeros(npad * q_len, 1, 576, device=dev, dtype=torch.bfloat16)])
+        if npad:
+            padded._original_batch_size = real
+        pad_rows = npad * q_len + extra
+        q = torch.cat([b.q, torch.randn(pad_rows, H, 576, device=dev).to(torch.bfloat16)])
+        k = torch.cat([b.k, torch.zeros(pad_rows, 1, 576, device=dev, dtype=torch.bfloat16)])
         ours.init_forward_metadata(padded)
+        _poison_rows(runner, layer, b.out_cache_loc)
         got = _forward(ours, layer, padded, q, k, "verify").float()
         torch.cuda.synchronize()
-        err = _check(want, got[:T], f"eager DP-padded verify, {real} real of {bs} rows")
-        if npad:
+        assert got.shape[0] == bs * q_len + extra
+        _check_written(runner, layer, b.out_cache_loc, b.k, f"DP-padded {real} of {bs} (+{extra} tokens)")
+        err = _check(want, got[:T], f"eager DP-padded verify, {real} real of {bs} rows, {extra} extra tokens")
+        if pad_rows:
             assert got[T:].abs().max().item() == 0.0, "padded rows must output 0"
-        print(f"\n[dp-padded eager] ps={ps} real={real} bs={bs}: max err {err:.3e}")
+        print(f"\n[dp-padded eager] ps={ps} real={real} bs={bs} extra tokens={extra}: max err {err:.3e}")
 
 
 def _poison_rows(runner, layer, loc):

@@ -983,3 +983,26 @@ def test_heads_per_rank_in_readme_and_spec_comments():
         assert found, f"{spec.name}: the comment names no model / TP size: {comment!r}"
         for model, n, tp in found:
             assert int(n) == ATTENTION_HEADS[model] and int(n) // int(tp) == heads, (spec.name, model, n, tp)
+
+
+@pytest.mark.parametrize("real, bs, extra", [(1, 1, 1), (3, 3, 3), (2, 3, 2)])
+def test_eager_dp_token_padding_past_the_batch(kv_write_loc, real, bs, extra):
+    """With DP attention and attn_tp_size > 1, SGLang pads the verify batch's tokens to a multiple of
+    attn_tp_size (prepare_mlp_sync_batch: num_tokens = ceil_align(real tokens, attn_tp_size), bs =
+    num_tokens // q_len; q, k and out_cache_loc get the extra rows). The backend must serve the
+    bs * q_len rows of the batch, output 0 for the rows past them, and never fail on the row count."""
+    gen = torch.Generator().manual_seed(500 + 10 * real + extra)
+    s = _verify_setup(gen, real=real, bs=bs)
+    s.q = torch.cat([s.q, torch.randn(extra, s.H, 576, generator=gen).to(torch.bfloat16)])
+    s.k = torch.cat([s.k, torch.randn(extra, 1, 576, generator=gen).to(torch.bfloat16)])
+    s.fb.out_cache_loc = torch.cat([s.fb.out_cache_loc, torch.zeros(extra, dtype=torch.int64)])
+    scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+    layer = _layer(s.H, scale)
+    s.be.init_forward_metadata(s.fb)
+    out = s.be.forward_extend(s.q, s.k, s.k[..., :512], layer, s.fb, save_kv_cache=True)
+    assert out.shape == (bs * s.q_len + extra, s.H * 512) and not out.float().isnan().any()
+    out = out.float().view(-1, s.H, 512)
+    assert s.be.verify_kernel.counts["call"] == 0, "the padded batch took the checked call"
+    want = _expected(s, s.pool.kv_buffer[0], scale)
+    assert (out[: real * s.q_len] - want).abs().max().item() < 2e-2
+    assert out[real * s.q_len:].abs().max().item() == 0.0

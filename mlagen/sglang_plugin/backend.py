@@ -475,8 +475,11 @@ class MlagenAttnBackend(_Base):
         qv = q.reshape(-1, H, D)
         if qv.stride(-1) != 1:
             qv = qv.contiguous()
-        T = qv.shape[0]
-        fast = (qv.dtype == torch.bfloat16 and T == batch.bs * batch.q_len and (H, D, DV) == meta.dims
+        # DP attention pads a batch's tokens to a multiple of attn_tp_size (ForwardBatch.prepare_mlp_sync_batch,
+        # then bs = num_tokens // q_len): rows past bs * q_len belong to no request; they output 0.
+        rows = qv.shape[0]
+        T = batch.bs * batch.q_len
+        fast = (qv.dtype == torch.bfloat16 and rows >= T and (H, D, DV) == meta.dims
                 and not (qv.stride(0) % 2 or qv.stride(1) % 2 or qv.data_ptr() % 4))
         new_kv = ()
         if save_kv_cache and k is not None:
@@ -493,7 +496,7 @@ class MlagenAttnBackend(_Base):
 
                     self._kv_write_loc = KVWriteLoc
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
-        out = q.new_empty((T, H, DV))
+        out = q.new_empty((rows, H, DV))
         kv = self.token_to_kv_pool.get_key_buffer(layer_id)
         kv_ptr = kv.data_ptr()
         checked = self._kv_checked.get(layer_id)
@@ -502,10 +505,14 @@ class MlagenAttnBackend(_Base):
             self._kv_checked[layer_id] = checked = (kv_ptr, kv.shape[0])
         if fast:
             # the batch was checked in init_forward_metadata*
+            q_b, out_b = qv, out
+            if rows > T:
+                q_b, out_b = qv[:T], out[:T]
+                out[T:].zero_()
             if new_kv:
-                kernel.launch(batch, qv, kv, out, scale, new_kv=new_kv + (checked[1],))
+                kernel.launch(batch, q_b, kv, out_b, scale, new_kv=new_kv + (checked[1],))
             else:
-                kernel.launch(batch, qv, kv, out, scale)
+                kernel.launch(batch, q_b, kv, out_b, scale)
         else:  # the checked call: a clear ValueError for what does not fit
             kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
                    tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
@@ -515,22 +522,23 @@ class MlagenAttnBackend(_Base):
 
     def _new_kv(self, kernel, k, forward_batch, T: int, D: int) -> tuple:
         """(k_new address, row stride, out_cache_loc address) when the launch can store ``k`` itself
-        (the pool allows it, the module has draft-row support, k is bf16 [T, (1,) D] with 16-byte aligned
-        contiguous rows, out_cache_loc int64 [T] contiguous on k's device; the loc is checked once per
-        step); else () and SGLang writes."""
+        (the pool allows it, the module has draft-row support, k is bf16 [>= T, (1,) D] with 16-byte
+        aligned contiguous rows, out_cache_loc int64 [>= T] contiguous on k's device; the loc is checked
+        once per step; only the first T = bs * q_len rows are read and stored); else () and SGLang writes."""
         if not (self._kernel_writes_kv() and getattr(kernel, "has_new_kv", False)):
             return ()
         loc = getattr(forward_batch, "out_cache_loc", None)
         seen, seen_t, ok = self._loc_ok
         if seen is not loc or seen_t != T:
-            ok = (isinstance(loc, torch.Tensor) and loc.dtype == torch.int64 and loc.shape == (T,)
-                  and loc.is_contiguous() and loc.device == k.device)
+            ok = (isinstance(loc, torch.Tensor) and loc.dtype == torch.int64 and loc.dim() == 1
+                  and loc.shape[0] >= T and loc.is_contiguous() and loc.device == k.device)
             self._loc_ok = (loc, T, ok)
         if not ok:
             return ()
         s0 = k.stride(0)
         ptr = k.data_ptr()
-        if (k.dtype != torch.bfloat16 or k.shape[0] != T or k.shape[-1] != D or k.numel() != T * D
+        n = k.shape[0]  # >= T: DP-attention padding rows past bs * q_len are neither read nor stored
+        if (k.dtype != torch.bfloat16 or n < T or k.shape[-1] != D or k.numel() != n * D
                 or k.stride(-1) != 1 or s0 % 8 or ptr % 16):
             return ()
         return (ptr, s0, loc.data_ptr())
