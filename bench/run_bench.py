@@ -58,7 +58,9 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rt = sorted(set(rt) | {dimsplit_row_tiles(rows)})  # dimsplit: one row-tile count per shape
     return dict(name=f"bench_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps, mask=mask,
                 nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[2, 3, 4], row_tiles=rt,
-                num_warps=[4, 8, 16], overlap=[0, 1], schedule=["rowblock", "dimsplit"],
+                # dimsplit with row_tiles + 2 warps: two producer warps (cp.async loader; MlaDimSplitConfig)
+                num_warps=sorted({4, 8, 16, dimsplit_row_tiles(rows) + 2}), overlap=[0, 1],
+                schedule=["rowblock", "dimsplit"],
                 load_width=["bulk", 128])  # rowblock: bulk beat 128-bit cp.async at every H200 grid shape
 
 

@@ -24,6 +24,12 @@ SPECS = {
     # tiles; bulk and cp.async loaders; 2 and 4 stages; page sizes 1 / 64; fixed and auto NSPLIT)
     "k2_ds": dict(name="gpu_k2_ds", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
                   schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, load_width=["bulk", 128], mask="tree"),
+    # dimsplit with two producer warps (num_warps = row_tiles + 2, cp.async loader): each loads half of a stage
+    "k2_ds2p": [dict(name="gpu_k2_ds2p", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                     schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=7, load_width=128,
+                     mask="tree"),
+                dict(name="gpu_ds2p_h16", heads_per_rank=16, q_len=9, page_size=16, nsplit="auto", mask="tree",
+                     schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=7, load_width=128)],
     # dimsplit at other row counts: H16 (2 clusters of 5 row tiles, the second with 4 live), H1 q5 causal
     # (one row tile, 5 of 16 rows live), H64 q2 no mask (8 row tiles -> 2 clusters of 4), q_len 1 decode
     "ds_rows": [dict(name="gpu_ds_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
@@ -105,7 +111,7 @@ def test_dimsplit_pairs_full_case_set(kernels):
         _check(k, quick=i > 0)
 
 
-@pytest.mark.parametrize("key", ["k2_ds", "k2_dsp"])
+@pytest.mark.parametrize("key", ["k2_ds", "k2_dsp", "k2_ds2p"])
 def test_dimsplit_equals_rowblock(kernels, key):
     """Same inputs, same outputs within bf16 rounding: the two schedules sum the same products in another order."""
     from mlagen.cases import make_problem
@@ -126,7 +132,8 @@ def test_dimsplit_equals_rowblock(kernels, key):
     assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows"])
+@pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows",
+                                 "k2_ds2p"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

@@ -66,7 +66,13 @@ struct MlaDimSplitConfig {
   static constexpr int kWarpsPerTile = kWarps_ == 2 * kRowTiles_ + 1 ? 2 : 1;
   static constexpr bool kPairs = kWarpsPerTile == 2;
   static constexpr int kConsumerWarps = kRowTiles * kWarpsPerTile;
-  static constexpr int kProducerWarp = kConsumerWarps;
+  static constexpr int kProducerWarp = kConsumerWarps;  // the first producer warp
+  // Producer warps: two when num_warps = consumer warps + 2 with the cp.async loader (one warp per stage
+  // half, on two schedulers: each issues half of a stage's copies; 2 x 32 lanes complete full[stage]),
+  // else one (extra warps idle). The producer's instruction stream is on the critical path
+  // (docs/perf-notes.md, v9).
+  static constexpr int kProducerWarps = (kLoadBits_ != 0 && kWarpsPerTile == 1 && kWarps == kConsumerWarps + 2) ? 2 : 1;
+  static constexpr int kTokensPerProducer = kBlockN_ / kProducerWarps;
   static constexpr int kRowsPerCta = kRowTiles * 16;  // rows of the cluster (both CTAs hold all of them)
   static constexpr int kRowsMax = kHeads * kQLenMax;
   static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
@@ -147,6 +153,7 @@ struct MlaDimSplitConfig {
                 "per row tile, about 230 registers per thread)");
   static_assert(kPairs ? kWarps <= 15 : true, "dimsplit pairs: at most 7 row tiles (named barriers 1..7, 184 registers)");
   static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(kBlockN_ % kProducerWarps == 0 && kTokensPerProducer <= 32, "a producer lane per token of its share");
   static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsQ + kRegsS + kRegsO <= 184, "register tiles would spill");
@@ -208,7 +215,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 
   if (tid == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
-      ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32);  // bulk: 1 arrival + bytes; cp.async: every lane
+      // bulk: 1 arrival + bytes; cp.async: every lane of every producer warp
+      ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32 * Cfg::kProducerWarps);
       ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
     }
     // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
@@ -229,11 +237,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   }
   const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
 
-  if (warp == Cfg::kProducerWarp) {
-    // ---- producer: lane n loads token n of each tile (its row address is gathered one tile ahead).
+  if (warp >= Cfg::kProducerWarp && warp < Cfg::kProducerWarp + Cfg::kProducerWarps) {
+    // ---- producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token
+    // tok_p + n (its row address is gathered one tile ahead).
+    const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
     auto slot_of = [&](int tile) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len
-      const int pos = tile * Cfg::kBlockN + lane;
-      if (lane >= Cfg::kBlockN || pos >= kv_len) return kNoSlot;
+      const int pos = tile * Cfg::kBlockN + tok_p + lane;
+      if (lane >= Cfg::kTokensPerProducer || pos >= kv_len) return kNoSlot;
       return token_row_addr<Cfg::kPageSize>(p, page_row, b, pos, prefix_len);
     };
     int64_t slot = slot_of(tile_begin);
@@ -258,20 +268,24 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           }
         }
       } else {
+        // This warp's tokens of the tile (all of them with one producer warp).
+        const int mine = valid - tok_p < 0 ? 0 : (valid - tok_p < Cfg::kTokensPerProducer ? valid - tok_p
+                                                                                          : Cfg::kTokensPerProducer);
+        __nv_bfloat16* dst_mine = dst_stage + tok_p * Cfg::kKvRowElems;
         // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
-        for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : valid); ++n) {
+        for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : mine); ++n) {
           const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
-          ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + lane * 8,
+          ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
                                   row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
         }
         if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
           constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
-          for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += kTokPerInstr) {
+          for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : mine); n0 += kTokPerInstr) {
             const int n = n0 + lane / Cfg::kRopeChunks;
             const int c = lane % Cfg::kRopeChunks;
             const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
-            if (n < valid) {
-              ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
+            if (n < mine) {
+              ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
                                       row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
             }
           }
