@@ -1,6 +1,6 @@
 """Benchmark verified variants: CUDA-graph replay, median, inputs rotated so L2 cannot serve them.
 
-Bytes per launch (the floor's memory term) = KV read once (bs * ctx * D * 2) + q (bs * q_len * H * D * 2)
+Bytes per launch (the floor's memory term) = KV read once (bs * ctx * D * 2; * 1 for an fp8 e4m3 cache) + q (bs * q_len * H * D * 2)
 + out (bs * q_len * H * kv_lora_rank * 2); FLOPs = 2 * rows * ctx * (D + kv_lora_rank), rows = bs * q_len * H.
 """
 
@@ -85,12 +85,16 @@ def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
 def bench_kernel(kernel: VerifyKernel, shape: Shape, device="cuda", seed: int = 0) -> dict:
     """Time ``kernel`` at ``shape``; returns median_us, gbs, bytes, flops, rotations."""
     v = kernel.variant
-    per = verify_bytes(shape.heads, shape.q_len, shape.batch_size, shape.context, v.dim_qk, v.dim_v)
+    fp8 = v.dtype == "fp8_e4m3"
+    per = verify_bytes(shape.heads, shape.q_len, shape.batch_size, shape.context, v.dim_qk, v.dim_v,
+                       kv_bytes=1 if fp8 else 2)
     n_rot = max(2, min(64, -(-L2_ROTATE_BYTES // per)))
     launches = []
     for r in range(n_rot):
         p = make_problem(v, [shape.context] * shape.batch_size, q_len=shape.q_len, device=device, seed=seed + r,
                          poison_pool=False, name="bench")
+        if fp8:  # N(0, 1) rows cast to e4m3 on the device (no value near +-448: the cast cannot overflow)
+            p = dataclasses.replace(p, kv_cache=p.kv_cache.to(torch.float8_e4m3fn))
         out = torch.empty(p.q.shape[0], v.heads, v.dim_v, dtype=torch.bfloat16, device=device)
         ws = kernel.alloc_workspace(shape.batch_size, device)
         launches.append(lambda p=p, out=out, ws=ws: kernel(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out,

@@ -123,6 +123,9 @@ def verify_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bo
 
     quick: skip the 128k-token and >4 GiB cases (unit tests); big_pool: include the >4 GiB pool.
     """
+    if v.dtype == "fp8_e4m3":  # an e4m3 cache: its own case set (descales, e4m3 extremes, NaN-byte slots)
+        yield from fp8_cases(v, device, quick=quick, big_pool=big_pool)
+        return
     Q, P, bn = v.q_len, v.page_size, v.block_n
     ns = 64 if v.nsplit == "auto" else int(v.nsplit)
     yield make_problem(v, [Q + 1000, Q + 37, Q + 4096 + 5], device=device, name="random mixed lengths")
@@ -236,11 +239,12 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
                                req_pool_indices=dev(base.req_pool_indices), kv_scale=kv_scale)
 
 
-def fp8_cases(v: Variant, device="cuda", *, quick: bool = False):
-    """Yield the fp8 KV case set for ``v``'s shape (fresh random data each call; not in verify_cases
-    until a kernel reads fp8): descales 1, 0.37, 3.1 and a (0.37, 3.1) pair, e4m3's extremes (+-448,
+def fp8_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bool = True):
+    """Yield the fp8 KV case set for ``v``'s shape (fresh random data each call; :func:`verify_cases` of
+    dtype fp8_e4m3 variants): descales 1, 0.37, 3.1 and a (0.37, 3.1) pair, e4m3's extremes (+-448,
     subnormals, +-0), NaN-byte stale slots of ragged pages, padded rows, remapped rows in a
-    [slots, 1, 576] uint8 pool, runtime q_len below the maximum; ``quick`` skips the 128k case."""
+    [slots, 1, 576] uint8 pool, runtime q_len below the maximum, kv_len == q_len; ``quick`` skips the
+    128k case and the pool past 4 GiB (``big_pool`` False skips only the latter)."""
     Q, P = v.q_len, v.page_size
     yield make_fp8_problem(v, [Q + 1000, Q + 37, Q + 4096 + 5], device=device, name="fp8 random mixed lengths, scale 1")
     yield make_fp8_problem(v, [Q + 700, Q + 9], kv_scale=0.37, device=device, name="fp8 k_scale = v_scale = 0.37")
@@ -257,6 +261,11 @@ def fp8_cases(v: Variant, device="cuda", *, quick: bool = False):
     if Q > 1:
         ql = max(1, Q // 2)
         yield make_fp8_problem(v, [ql + 700, ql + 9], q_len=ql, device=device, name=f"fp8 runtime q_len {ql} < {Q}")
+    yield make_fp8_problem(v, [max(1, Q)], device=device, name="fp8 kv_len == q_len (no prefix)")
     if not quick:
         yield make_fp8_problem(v, [Q + 131072 + 77, Q + 5, Q + 2000], kv_scale=0.37, device=device,
                                name="fp8 mixed 128k / tiny / 2k")
+        if big_pool:
+            min_slot = (4 << 30) // v.dim_qk + 1024  # first referenced row past 4 GiB of e4m3 rows
+            yield make_fp8_problem(v, [Q + 3000, Q + 100], device=device, min_slot=min_slot,
+                                   name="fp8 pool > 4 GiB (rows past 4 GiB)")

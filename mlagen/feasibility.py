@@ -57,9 +57,12 @@ def resources(v: Variant) -> Resources:
         pairs = dimsplit_pairs(v)
         wpt = 2 if pairs else 1  # consumer warps per row tile
         consumers = v.row_tiles * wpt
-        smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
+        fp8 = v.dtype == "fp8_e4m3"
+        cons_stages = 2 if fp8 else v.stages  # fp8: the bf16 ring the converter warps fill (kConvStages)
+        smem_kv = cons_stages * v.block_n * (dim_cta + 8) * 2
+        smem_kv += v.stages * v.block_n * (dim_cta + 16) if fp8 else 0  # the e4m3 ring, rows padded by 16 B
         smem_xchg = 2 * consumers * (2 // wpt * 32 * 4) * 4  # 16-token score fragments, double buffered
-        smem_bars = (2 * v.stages + 2 * consumers) * 8
+        smem_bars = (2 * cons_stages + 2 * consumers + (2 * v.stages if fp8 else 0)) * 8
         smem_pair = 2 * consumers * 32 * 16 if pairs else 0  # P and row maxima between the warps of a pair
         rope_steps = v.qk_rope_head_dim // 2 // 16
         q_smem_steps = min(dim_cta // 16, rope_steps + (2 if pairs else 6))  # Q k-steps read from shared memory
@@ -89,6 +92,8 @@ def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
     if v.schedule == "dimsplit":
         return _dimsplit_reason(v)
+    if v.dtype != "bf16":
+        return f"dtype {v.dtype} (KV cache) needs schedule dimsplit (its converter warps dequantize the stages)"
     if v.num_warps not in ROWBLOCK_WARPS:
         return f"schedule rowblock needs num_warps 4, 8 or 16, got {v.num_warps}"
     if v.overlap and v.load_width != "bulk":
@@ -133,6 +138,14 @@ def _dimsplit_reason(v: Variant) -> str | None:
         # a static_assert that does not compile for kRopeChunks 0)
         return (f"schedule dimsplit with load_width 128 copies the rope halves of 32 / (qk_rope_head_dim / 16) tokens "
                 f"per warp instruction: qk_rope_head_dim must be 32, 64 or 128, got {v.qk_rope_head_dim} (use load_width bulk)")
+    if v.dtype == "fp8_e4m3":
+        if v.load_width != 128:
+            return f"dtype fp8_e4m3 loads with 16-byte cp.async: load_width must be 128, got {v.load_width}"
+        if v.kv_lora_rank != 512 or v.qk_rope_head_dim != 64:
+            return "dtype fp8_e4m3 copies 256 + 32 bytes of each row per CTA: kv_lora_rank 512, qk_rope_head_dim 64"
+        if v.num_warps != v.row_tiles + 3:
+            return (f"dtype fp8_e4m3 runs one warp per row tile, a producer and two converter warps: num_warps must be "
+                    f"row_tiles + 3 = {v.row_tiles + 3}, got {v.num_warps}")
     want = dimsplit_row_tiles(v.rows_max)
     if v.row_tiles != want:
         return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "

@@ -33,7 +33,7 @@ def entry_for(reg: Registry, uri: str, arch: str) -> dict:
     v = Variant.from_dict(row["variant"])
     return dict(uri=uri, so_path=row["so_path"], role="decode" if v.q_len == 1 else "verify", heads=v.heads,
                 q_len=v.q_len, page_size=v.page_size, kv_lora_rank=v.kv_lora_rank,
-                qk_rope_head_dim=v.qk_rope_head_dim, mask=v.mask, nsplit=v.nsplit, bucket=v.bucket)
+                qk_rope_head_dim=v.qk_rope_head_dim, mask=v.mask, nsplit=v.nsplit, bucket=v.bucket, kv_dtype=v.dtype)
 
 
 def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:

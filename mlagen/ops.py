@@ -206,6 +206,10 @@ class VerifyKernel:
         Args:
             q: bf16 [bs*q_len, H, D] (D = kv_lora_rank + qk_rope_head_dim = 576), last dim contiguous.
             kv_cache: bf16 [num_slots, D] or [num_slots, 1, D]; V is the first kv_lora_rank dims of a row.
+                dtype fp8_e4m3 variants: float8_e4m3fn or uint8 (its bytes) of the same shape, dequantized
+                exactly in the kernel; SGLang's k_scale / v_scale stay outside (softmax_scale x k_scale,
+                out x v_scale), k_new stays bf16 and is stored quantized (round to nearest even, +-448
+                saturation).
             block_table: int32 [rows, max_pages] page ids, last dim contiguous (page_size 1: SGLang's
                 req_to_token). It must cover ceil(kv_len / page_size) pages of every request.
             kv_lens: int32 [bs] cached tokens per request including the draft tokens; 0 = padded row.
@@ -417,7 +421,8 @@ class VerifyKernel:
         """Validate a KV cache for this variant; returns its [num_slots, D] view.
 
         Args:
-            kv_cache: bf16 [num_slots, D] or [num_slots, 1, D] (D = 576), rows contiguous and aligned to
+            kv_cache: bf16 (fp8_e4m3 variants: float8_e4m3fn or uint8) [num_slots, D] or [num_slots, 1, D]
+                (D = 576), rows contiguous and aligned to
                 the variant's load width (16 B for bulk).
         Raises:
             ValueError: wrong dtype, shape, strides or alignment.
@@ -433,10 +438,15 @@ class VerifyKernel:
             kv2 = kv_cache.select(1, 0)
         else:
             kv2 = kv_cache
-        _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
+        if v.dtype == "fp8_e4m3":  # e4m3 bytes: SGLang's fp8 pool stores uint8 and reads a float8_e4m3fn view
+            if kv2.dtype not in _FP8_KV_DTYPES:
+                raise ValueError(f"kv_cache must be torch.float8_e4m3fn or its uint8 bytes for {v.uri}, got {kv2.dtype}")
+            _check(kv2, "kv_cache", kv2.dtype, ndim=2)
+        else:
+            _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
         if kv2.shape[1] != D:
             raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
-        if kv2.stride(1) != 1 or (kv2.stride(0) * 2) % lw_bytes or kv2.data_ptr() % lw_bytes:
+        if kv2.stride(1) != 1 or (kv2.stride(0) * kv2.element_size()) % lw_bytes or kv2.data_ptr() % lw_bytes:
             raise ValueError(
                 f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for load_width {v.load_width}; "
                 f"row stride {kv2.stride(0)} elements, address % {lw_bytes} = {kv2.data_ptr() % lw_bytes}")
@@ -554,6 +564,7 @@ class VerifyKernel:
 
 
 _NO_NEW_KV = (0, 0, 0, 0)
+_FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU-only torch builds

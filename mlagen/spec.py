@@ -102,10 +102,11 @@ KERNELS = ("mla_verify",)
 DEFAULT_ARCHS = ("sm_120", "sm_90")
 
 
+_DTYPE_OF_TOKEN = {tok: name for name, (_, tok) in DTYPES.items()}  # uri token -> spec dtype
 _URI_RE = __import__("re").compile(
     r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
     r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?(?:_(?P<sched>dimsplit))?"
-    r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16)_(?P<archs>sm\d+(?:_sm\d+)*)"
+    r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16|fp8e4m3)_(?P<archs>sm\d+(?:_sm\d+)*)"
 )
 
 
@@ -207,7 +208,7 @@ class Variant:
         return cls(heads=int(g["h"]), q_len=int(g["q"]), kv_lora_rank=int(g["kv"]), qk_rope_head_dim=int(g["rope"]),
                    page_size=int(g["ps"]), nsplit=ns if ns == "auto" else int(ns), load_width=g["lw"] if g["lw"] == "bulk" else int(g["lw"]),
                    block_n=int(g["bn"]), num_warps=int(g["w"]), row_tiles=int(g["rt"]), stages=int(g["st"]),
-                   mask=g["mask"], dtype=g["dtype"], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0,
+                   mask=g["mask"], dtype=_DTYPE_OF_TOKEN[g["dtype"]], archs=archs, kernel=g["kernel"], overlap=1 if g["ov"] else 0,
                    schedule=g["sched"] or "rowblock")
 
     @classmethod

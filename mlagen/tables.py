@@ -20,8 +20,10 @@ SCHEDULES = {
 }
 
 DTYPES = {
-    # spec value: (C++ element type, uri token)
+    # spec value (the KV cache's dtype; q and out are bf16): (C++ KV element type, uri token)
     "bf16": ("__nv_bfloat16", "bf16"),
+    # e4m3 KV cache (SGLang --kv-cache-dtype fp8_e4m3), dequantized to bf16 in shared memory (dimsplit only)
+    "fp8_e4m3": ("__nv_fp8_e4m3", "fp8e4m3"),
 }
 
 ARCHS = {

@@ -11,10 +11,12 @@ import torch
 
 from mlagen.cases import Problem, verify_cases
 from mlagen.ops import VerifyKernel
-from mlagen.reference import mla_verify_reference
+from mlagen.reference import mla_verify_reference, split_kv_scale
 
 # bf16 output (8-bit mantissa) of fp32-accumulated attention; P is rounded to bf16 before P V.
+# fp8_e4m3 KV: every e4m3 value is exact in bf16 and q / accumulation are not quantized, so the same bounds.
 TOLERANCE = {"bf16": dict(out_atol=2e-2, out_rel_l2=1e-2, lse_atol=2e-3, lse_rtol=1e-3)}
+TOLERANCE["fp8_e4m3"] = TOLERANCE["bf16"]
 
 
 @dataclasses.dataclass
@@ -57,14 +59,19 @@ def compare(p: Problem, out: torch.Tensor, lse: torch.Tensor, dtype: str = "bf16
 
 
 def run_case(kernel: VerifyKernel, p: Problem) -> CaseResult:
-    """Launch ``kernel`` on ``p`` with NaN-poisoned out / lse / workspace and compare."""
+    """Launch ``kernel`` on ``p`` with NaN-poisoned out / lse / workspace and compare. A problem with KV
+    descales (fp8) runs as SGLang's backends run it: softmax_scale x k_scale into the kernel, the output
+    times v_scale after it (in fp32 here)."""
     v = kernel.variant
     out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device=p.q.device)
     lse = torch.full((p.q.shape[0], v.heads), float("nan"), dtype=torch.float32, device=p.q.device)
     ws = kernel.alloc_workspace(p.batch_size, p.q.device).fill_(float("nan"))
-    kernel(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+    args = p.kernel_args()
+    k_scale, v_scale = split_kv_scale(p.kv_scale)
+    args["softmax_scale"] = p.softmax_scale * k_scale
+    kernel(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **args)
     torch.cuda.synchronize()
-    return compare(p, out, lse, v.dtype, v.kv_lora_rank)
+    return compare(p, out.float() * v_scale if v_scale != 1.0 else out, lse, v.dtype, v.kv_lora_rank)
 
 
 def verify_kernel(kernel: VerifyKernel, *, quick: bool = False, big_pool: bool = True) -> list[CaseResult]:

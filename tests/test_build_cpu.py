@@ -6,7 +6,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from mlagen import codegen, ninja_gen, ptxas
+from mlagen import codegen, ninja_gen, paths, ptxas
 from mlagen.spec import parse_spec
 
 V = parse_spec(dict(heads_per_rank=8, q_len=9, page_size=64, load_width=64, nsplit=32)).variants()[0]
@@ -223,3 +223,35 @@ def test_dimsplit_python_feasible_compiles_at_other_dims(tmp_path):
             assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
         built += 1
     assert built >= 3
+
+
+@pytest.mark.slow
+def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
+    """The e4m3-KV dimsplit build (producer + two converter warps; cvt e4m3x2 -> f16x2 for the stages,
+    bf16x2 -> e4m3x2 with satfinite for the KV store) and the two-producer bf16 build (num_warps =
+    row_tiles + 2) compile for sm_120 and sm_90 with no spills and only the allowed instructions."""
+    import subprocess
+
+    try:
+        nvcc = ninja_gen.nvcc_path()
+    except ninja_gen.ToolchainError:
+        pytest.skip("nvcc not available")
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3,
+                row_tiles=5, mask="tree", schedule="dimsplit", arch=["sm_120", "sm_90"])
+    for extra in (dict(dtype="fp8_e4m3", num_warps=8), dict(num_warps=7)):
+        (v,) = parse_spec(dict(base, **extra)).variants()
+        src = tmp_path / f"{v.build_key}.cu"
+        src.write_text(codegen.render_variant(v))
+        flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
+        r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-1500:]}"
+        for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
+            assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
+        ptx_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}",
+                     *ninja_gen.python_includes(), "-arch=compute_90", "-ptx"]
+        ptx = subprocess.run([nvcc, *ptx_flags, str(src), "-o", "-"], capture_output=True, text=True)
+        assert ptx.returncode == 0, ptx.stderr[-1500:]
+        assert ptxas.forbidden_in_ptx(ptx.stdout) == []
+        if v.dtype == "fp8_e4m3":
+            assert "cvt.rn.f16x2.e4m3x2" in ptx.stdout and "cvt.rn.satfinite.e4m3x2" in ptx.stdout

@@ -228,3 +228,19 @@ def test_verify_cases_stay_bf16():
     for p in verify_cases(_variant(heads=2, q_len=3, page_size=4), device="cpu", quick=True, big_pool=False):
         assert p.kv_cache.dtype == torch.bfloat16 and p.kv_scale is None
         assert "kv_scale" not in p.reference_args()
+
+
+def test_verify_cases_of_an_fp8_variant_are_the_fp8_case_set():
+    """`mlagen verify` and the GPU tests run an fp8_e4m3 variant on fp8_cases: e4m3 caches with descales,
+    extremes and NaN-byte stale slots (quick: no 128k case, no pool past 4 GiB)."""
+    from mlagen.cases import verify_cases
+    from mlagen.spec import parse_spec
+
+    (v,) = parse_spec(dict(heads_per_rank=2, q_len=3, page_size=4, nsplit="auto", load_width=128, block_n=32,
+                           stages=3, row_tiles=1, num_warps=4, mask="tree", schedule="dimsplit",
+                           dtype="fp8_e4m3")).variants()
+    cases = list(verify_cases(v, device="cpu", quick=True))
+    assert len(cases) >= 9 and all(c.name.startswith("fp8") for c in cases)
+    assert all(c.kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) for c in cases)
+    assert {c.kv_scale for c in cases} >= {1.0, 0.37, 3.1, (0.37, 3.1)}
+    assert any(c.kv_lens.tolist() == [v.q_len] for c in cases)  # kv_len == q_len

@@ -24,6 +24,16 @@ SPECS = {
     # tiles; bulk and cp.async loaders; 2 and 4 stages; page sizes 1 / 64; fixed and auto NSPLIT)
     "k2_ds": dict(name="gpu_k2_ds", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
                   schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, load_width=["bulk", 128], mask="tree"),
+    # e4m3 KV cache (dtype fp8_e4m3): dimsplit with a producer and two converter warps (num_warps = row_tiles + 3)
+    "k2_fp8": dict(name="gpu_k2_fp8", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                   schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=8, load_width=128,
+                   mask="tree", dtype="fp8_e4m3"),
+    "fp8_rows": [dict(name="gpu_fp8_h16", heads_per_rank=16, q_len=9, page_size=16, nsplit="auto", mask="tree",
+                      schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=8, load_width=128,
+                      dtype="fp8_e4m3"),
+                 dict(name="gpu_fp8_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
+                      schedule="dimsplit", row_tiles=1, block_n=32, stages=3, num_warps=4, load_width=128,
+                      dtype="fp8_e4m3")],
     # dimsplit with two producer warps (num_warps = row_tiles + 2, cp.async loader): each loads half of a stage
     "k2_ds2p": [dict(name="gpu_k2_ds2p", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
                      schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=7, load_width=128,
@@ -111,6 +121,36 @@ def test_dimsplit_pairs_full_case_set(kernels):
         _check(k, quick=i > 0)
 
 
+def test_fp8_full_case_set(kernels):
+    ks = kernels["k2_fp8"]
+    assert {(k.variant.schedule, k.variant.dtype) for k in ks} == {("dimsplit", "fp8_e4m3")} and len(ks) == 8
+    for i, k in enumerate(ks):
+        _check(k, quick=i > 0)
+
+
+def test_fp8_equals_bf16_on_the_dequantized_cache(kernels):
+    """The e4m3 kernel converts each stage exactly and then runs the bf16 kernel's math: on the same
+    bytes, dequantized to bf16 for the bf16 build of the same tile, the outputs are bit-identical."""
+    from mlagen.cases import make_fp8_problem
+    from mlagen.reference import dequantize_e4m3
+
+    f8 = next(k for k in kernels["k2_fp8"] if k.variant.nsplit == "auto" and k.variant.page_size == 1
+              and k.variant.stages == 3)
+    bf = next(k for k in kernels["k2_ds"] if k.variant.nsplit == "auto" and k.variant.page_size == 1
+              and k.variant.stages == 3 and k.variant.load_width == 128)
+    p = make_fp8_problem(f8.variant, [9, 40, 4099, 65536], special=True, device="cuda")
+    deq = dequantize_e4m3(p.kv_cache).to(torch.bfloat16)  # NaN bytes stay NaN (never visible)
+    outs = []
+    for k, cache in ((f8, p.kv_cache), (bf, deq)):
+        out = torch.full((p.q.shape[0], 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((p.q.shape[0], 8), float("nan"), device="cuda")
+        k(p.q, cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        outs.append((out, lse))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0][0].float()).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("key", ["k2_ds", "k2_dsp", "k2_ds2p"])
 def test_dimsplit_equals_rowblock(kernels, key):
     """Same inputs, same outputs within bf16 rounding: the two schedules sum the same products in another order."""
@@ -133,7 +173,7 @@ def test_dimsplit_equals_rowblock(kernels, key):
 
 
 @pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows",
-                                 "k2_ds2p"])
+                                 "k2_ds2p", "fp8_rows"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

@@ -183,3 +183,45 @@ def test_new_kv_bad_input_raises_before_launch(kernels):
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all(), "a rejected call must not write the output"
     assert torch.equal(_bits(test_pool), _bits(before)), "a rejected call must not write the cache"
+
+
+def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3():
+    """On an e4m3 cache (dtype fp8_e4m3) the draft tokens come from k_new in bf16 (not rounded to e4m3:
+    SGLang's Triton verify reads them from k the same way) and are stored quantized as SGLang's write
+    casts them (torch float8_e4m3fn: round to nearest even); the prefix is the cache's e4m3 values."""
+    from mlagen.build import build_variants
+    from mlagen.cases import make_fp8_problem
+    from mlagen.ops import VerifyKernel
+    from mlagen.reference import dequantize_e4m3, mla_verify_reference
+
+    spec = dict(name="gpu_newkv_fp8", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
+                schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=8, load_width=128, dtype="fp8_e4m3")
+    (k,) = [VerifyKernel(b.variant, b.so_path) for b in build_variants(spec)]
+    v = k.variant
+    for lens in ([v.q_len + 1000, v.q_len + 37, 0, v.q_len], [v.q_len + 20_000]):
+        p = make_fp8_problem(v, lens, as_bytes=True, device="cuda")
+        loc = _draft_slots(p, v)
+        real = loc >= 0
+        T = p.q.shape[0]
+        k_new = torch.randn(T, 1, v.dim_qk, device="cuda").to(torch.bfloat16)
+        cache = p.kv_cache.clone()
+        cache[loc[real]] = 0x7F  # NaN bytes: must never be read
+        before = cache.clone()
+        out = torch.full((T, v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((T, v.heads), float("nan"), device="cuda")
+        k(p.q, cache, p.block_table, p.kv_lens, out=out, lse=lse, k_new=k_new, kv_write_loc=loc, **p.kernel_args())
+        torch.cuda.synchronize()
+        want_bytes = k_new[real].reshape(-1, v.dim_qk).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(cache[loc[real]], want_bytes), "draft rows not stored as torch's e4m3 cast"
+        others = torch.ones(cache.shape[0], dtype=torch.bool, device="cuda")
+        others[loc[real]] = False
+        assert torch.equal(cache[others], before[others])
+        ref_cache = dequantize_e4m3(p.kv_cache).to(torch.bfloat16)  # the prefix's e4m3 values
+        ref_cache[loc[real]] = k_new[real].reshape(-1, v.dim_qk)  # drafts in bf16
+        ref_out, ref_lse = mla_verify_reference(p.q, ref_cache, p.block_table, p.kv_lens, q_len=p.q_len,
+                                                page_size=v.page_size, softmax_scale=p.softmax_scale, mask=v.mask,
+                                                tree_mask=p.tree_mask)
+        assert torch.isfinite(out.float()).all()
+        assert (out.float() - ref_out).abs().max().item() < 2e-2, lens
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin) and (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2

@@ -425,3 +425,22 @@ def test_new_kv_arguments_reach_run_in_order(monkeypatch):
     with pytest.raises(ValueError, match="no draft-row support"):
         _call(old, d, out=out, workspace=ws, k_new=k_new)
     assert old.module.calls == 1
+
+
+def test_fp8_variant_takes_e4m3_caches_and_bf16_variants_refuse_them():
+    """An fp8_e4m3 variant reads float8_e4m3fn or uint8 caches ([slots, 576] / [slots, 1, 576], SGLang's
+    pool and its byte storage) and refuses bf16; a bf16 variant refuses both fp8 dtypes."""
+    fp8 = _kernel(schedule="dimsplit", row_tiles=5, num_warps=8, block_n=32, stages=3, dtype="fp8_e4m3")
+    assert fp8.variant.dtype == "fp8_e4m3"
+    raw = torch.randint(0, 256, (100, 1, 576), dtype=torch.uint8)
+    for cache in (raw, raw.view(torch.float8_e4m3fn), raw.view(100, 576)):
+        kv2 = fp8.check_kv_cache(cache)
+        assert kv2.shape == (100, 576) and kv2.data_ptr() == cache.data_ptr()
+    with pytest.raises(ValueError, match="float8_e4m3fn or its uint8 bytes"):
+        fp8.check_kv_cache(torch.zeros(100, 576, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rows must be contiguous and 16-byte aligned"):
+        fp8.check_kv_cache(torch.zeros(100, 584, dtype=torch.uint8)[:, 4:580])
+    bf16 = _kernel()
+    for cache in (raw, raw.view(torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="kv_cache must be torch.bfloat16"):
+            bf16.check_kv_cache(cache)

@@ -157,7 +157,7 @@ def test_nothing_installed_says_what_to_build():
     (dict(architectures=("LlamaForCausalLM",), is_mla=False), "does not run SGLang's MLA attention"),
     (dict(architectures=("DeepseekV32ForCausalLM",), uses_sparse_attention=True), "sparse attention"),
     (dict(uses_sparse_attention=True), "sparse attention"),
-    (dict(kv_cache_dtype="float8_e4m3fn"), "KV cache dtype float8_e4m3fn is not supported"),
+    (dict(kv_cache_dtype="float8_e5m2"), "KV cache dtype float8_e5m2 is not supported"),
     (dict(is_draft_worker=True), "serves the target model only"),
     (dict(spec_algorithm="NGRAM"), "speculative algorithm NGRAM is not supported"),
     (dict(num_draft_tokens=65), "exceed the kernel's tree-mask limit"),
@@ -1006,3 +1006,23 @@ def test_eager_dp_token_padding_past_the_batch(kv_write_loc, real, bs, extra):
     want = _expected(s, s.pool.kv_buffer[0], scale)
     assert (out[: real * s.q_len] - want).abs().max().item() < 2e-2
     assert out[real * s.q_len:].abs().max().item() == 0.0
+
+
+def test_fp8_kv_server_selects_fp8_variants_only():
+    """--kv-cache-dtype fp8_e4m3 (pool dtype float8_e4m3fn) is served by installed dtype fp8_e4m3 variants;
+    a bf16 variant does not match it (nor an fp8 variant a bf16 pool), and the refusal says what to
+    build; entries written before kv_dtype existed count as bf16; other fp8 formats are refused."""
+    bf16 = _entry()
+    fp8 = _entry(uri="mla_verify_h16_q4_fp8", kv_dtype="fp8_e4m3", bucket="h16_q4_kv512_rope64_ps64_tree_fp8_e4m3")
+    sel = checks.run_startup_checks(_facts(kv_cache_dtype="float8_e4m3fn"), _state(bf16, fp8))
+    assert sel.verify["uri"] == "mla_verify_h16_q4_fp8"
+    sel = checks.run_startup_checks(_facts(), _state(fp8, bf16))
+    assert sel.verify["uri"] == "mla_verify_h16_q4_tree"
+    with pytest.raises(MlagenSetupError, match=r"(?s)KV cache dtype bf16 != fp8_e4m3.*dtype: fp8_e4m3"):
+        checks.run_startup_checks(_facts(kv_cache_dtype="float8_e4m3fn"), _state(bf16))
+    with pytest.raises(MlagenSetupError, match="KV cache dtype fp8_e4m3 != bf16"):
+        checks.run_startup_checks(_facts(), _state(fp8))
+    with pytest.raises(MlagenSetupError, match="float8_e5m2 is not supported.*fp8_e4m3"):
+        checks.run_startup_checks(_facts(kv_cache_dtype="float8_e5m2"), _state(fp8))
+    with pytest.raises(installed.InstalledStateError, match="kv_dtype must be one of"):
+        installed.validate_state(_state(_entry(kv_dtype="fp4")))

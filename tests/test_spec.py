@@ -226,3 +226,32 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path):
     p.write_text("name: t\nheads_per_rank: 8\nq_len: 9: 3\n")
     with pytest.raises(SpecError, match=r"invalid YAML at line 3, column 9: mapping values are not allowed here"):
         load_spec(p)
+
+
+def test_fp8_e4m3_dtype_uri_and_feasibility():
+    """dtype fp8_e4m3 (an e4m3 KV cache) is a dimsplit variant with the cp.async loader, a producer and two
+    converter warps (num_warps = row_tiles + 3); its shared memory is MlaDimSplitConfig's with kKvFp8: a
+    bf16 ring of 2 stages, an e4m3 ring of `stages` stages (rows of 288 + 16 bytes), 4 more mbarriers per
+    stage pair. The uri carries it (fp8e4m3) and parses back."""
+    from mlagen.codegen import template_context
+    from mlagen.feasibility import infeasible_reason, resources
+    from mlagen.spec import Variant
+
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3,
+                row_tiles=5, num_warps=8, mask="tree", schedule="dimsplit", dtype="fp8_e4m3")
+    (v,) = parse_spec(base).variants()
+    assert v.uri.endswith("_w8_rt5_st3_dimsplit_tree_fp8e4m3_sm120_sm90") and Variant.from_uri(v.uri) == v
+    assert v.bucket.endswith("_tree_fp8_e4m3") and template_context(v)["kv_fp8"] == 1
+    assert infeasible_reason(v) is None
+    # bf16 ring 2 x 32 x 296 x 2 + e4m3 ring 3 x 32 x 304 + exchange 10,240 + 20 mbarriers + Q 21,760
+    assert resources(v).smem_bytes == 37888 + 29184 + 10240 + 20 * 8 + 21760 == 99232
+    assert resources(dataclasses.replace(v, stages=2)).smem_bytes == 89488
+    assert "shared memory" in infeasible_reason(dataclasses.replace(v, stages=4))  # 108,976 B > 101,376
+    assert "load_width must be 128" in infeasible_reason(dataclasses.replace(v, load_width="bulk"))
+    assert "num_warps must be row_tiles + 3 = 8, got 7" in infeasible_reason(dataclasses.replace(v, num_warps=7))
+    assert "needs schedule dimsplit" in infeasible_reason(dataclasses.replace(v, schedule="rowblock", row_tiles=1,
+                                                                               stages=2))
+    (bf16,) = parse_spec(dict(base, dtype="bf16")).variants()
+    assert bf16.uri == v.uri.replace("fp8e4m3", "bf16") and template_context(bf16)["kv_fp8"] == 0
+    with pytest.raises(SpecError, match="dtype"):
+        parse_spec(dict(base, dtype="fp8_e5m2"))

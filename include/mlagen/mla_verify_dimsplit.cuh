@@ -42,9 +42,13 @@ namespace mlagen {
 // Compile-time configuration of a dimsplit variant; the fields the combine kernel, the launcher and
 // the Python module read have the same names as in MlaVerifyConfig.
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
-          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120,
+          bool kKvFp8_ = false>
 struct MlaDimSplitConfig {
   static constexpr bool kDimSplit = true;
+  // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
+  // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).
+  static constexpr bool kKvFp8 = kKvFp8_;
   static constexpr int kClusterCtas = 2;  // CTAs per (row block, split, request)
   static constexpr int kHeads = kHeads_;
   static constexpr int kQLenMax = kQLenMax_;
@@ -71,12 +75,17 @@ struct MlaDimSplitConfig {
   // half, on two schedulers: each issues half of a stage's copies; 2 x 32 lanes complete full[stage]),
   // else one (extra warps idle). The producer's instruction stream is on the critical path
   // (docs/perf-notes.md, v9).
-  static constexpr int kProducerWarps = (kLoadBits_ != 0 && kWarpsPerTile == 1 && kWarps == kConsumerWarps + 2) ? 2 : 1;
+  static constexpr int kProducerWarps =
+      (!kKvFp8_ && kLoadBits_ != 0 && kWarpsPerTile == 1 && kWarps == kConsumerWarps + 2) ? 2 : 1;
+  static constexpr int kConverterWarps = kKvFp8_ ? 2 : 0;
+  static constexpr int kConverterWarp = kProducerWarp + kProducerWarps;  // the first converter warp
   static constexpr int kTokensPerProducer = kBlockN_ / kProducerWarps;
   static constexpr int kRowsPerCta = kRowTiles * 16;  // rows of the cluster (both CTAs hold all of them)
   static constexpr int kRowsMax = kHeads * kQLenMax;
   static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
   static constexpr int kStages = kStages_;
+  static constexpr int kConvStages = 2;                                // fp8: bf16 stages the converters fill
+  static constexpr int kConsStages = kKvFp8_ ? kConvStages : kStages_;  // stages of the ring the consumers read
 
   // This CTA's half of a KV row: latent [c * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + c * kRopeHalf, +kRopeHalf).
   static constexpr int kLatentHalf = kKvLoraRank / 2;
@@ -99,13 +108,18 @@ struct MlaDimSplitConfig {
   // conflict-free 16-B stores and loads), then the mbarriers.
   static constexpr int kKvRowElems = kDimCta + 8;
   static constexpr int kStageElems = kBlockN * kKvRowElems;
-  static constexpr int kSmemKv = kStages * kStageElems * 2;
+  static constexpr int kSmemKv = kConsStages * kStageElems * 2;  // the bf16 ring the consumers read
+  // fp8: e4m3 stages of kBlockN rows of this CTA's 288 bytes, padded by 16 B (304 = 19 x 16 B)
+  static constexpr int kFp8RowBytes = kDimCta + 16;
+  static constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;
+  static constexpr int kSmemFp8 = kKvFp8_ ? kStages * kFp8StageBytes : 0;
   static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
   static constexpr int kSmemXchg = 2 * kConsumerWarps * kXchgFloatsPerWarp * 4;
   // Pairs: [2][kConsumerWarps][32 lanes][4 words] (a warp's P of rows g, g + 8 as bf16x2 and its row
   // maxima), double buffered so one barrier per sub-tile suffices.
   static constexpr int kSmemPair = kPairs ? 2 * kConsumerWarps * 32 * 16 : 0;
-  static constexpr int kNumBars = 2 * kStages + 2 * kConsumerWarps;  // full, empty, exchange
+  // full, empty (the consumers' ring), exchange, then for fp8 full8, empty8 (the e4m3 ring)
+  static constexpr int kNumBars = 2 * kConsStages + 2 * kConsumerWarps + (kKvFp8_ ? 2 * kStages : 0);
   static constexpr int kSmemBars = kNumBars * 8;
   // The last kQSmemSteps k16 steps of each warp's Q (the rope dims and 6 latent steps) are read with
   // ldmatrix from shared memory instead of held in registers: the headroom that lets the scores of
@@ -117,7 +131,7 @@ struct MlaDimSplitConfig {
   static constexpr int kQRegSteps = kKSteps - kQSmemSteps;
   static constexpr int kQSmemRowElems = kQSmemSteps * 16 + 8;  // +16 B: odd count of 16-B units per row
   static constexpr int kSmemQ = kRowTiles * 16 * kQSmemRowElems * 2;
-  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemBars + kSmemQ + kSmemPair;
+  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemBars + kSmemQ + kSmemPair + kSmemFp8;
 
   static constexpr int kLatentBytes = kLatentHalf * 2;
   static constexpr int kRopeBytes = kRopeHalf * 2;
@@ -153,6 +167,10 @@ struct MlaDimSplitConfig {
                 "per row tile, about 230 registers per thread)");
   static_assert(kPairs ? kWarps <= 15 : true, "dimsplit pairs: at most 7 row tiles (named barriers 1..7, 184 registers)");
   static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(!kKvFp8_ || (!kBulkLoad && !kPairs && kWarps == kConsumerWarps + 3 && kLatentHalf == 256 &&
+                             kRopeHalf == 32),
+                "dimsplit fp8: load_width 128, one warp per row tile, num_warps = row_tiles + 3 (a producer and two "
+                "converter warps), kv_lora_rank 512 and qk_rope_head_dim 64");
   static_assert(kBlockN_ % kProducerWarps == 0 && kTokensPerProducer <= 32, "a producer lane per token of its share");
   static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
@@ -170,11 +188,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
   float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);  // [kStages]
-  uint64_t* empty_bar = full_bar + Cfg::kStages;                                               // [kStages]
-  uint64_t* xfull_bar = empty_bar + Cfg::kStages;  // [2][kConsumerWarps]: the peer's scores have landed
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);  // [kConsStages]
+  uint64_t* empty_bar = full_bar + Cfg::kConsStages;                                           // [kConsStages]
+  uint64_t* xfull_bar = empty_bar + Cfg::kConsStages;  // [2][kConsumerWarps]: the peer's scores have landed
   __nv_bfloat16* q_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars);
   uint4* pair_smem = reinterpret_cast<uint4*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars + Cfg::kSmemQ);
+  // fp8: the e4m3 ring [kStages][kBlockN][kFp8RowBytes] and its barriers (after the exchange barriers)
+  uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemBars + Cfg::kSmemQ + Cfg::kSmemPair;
+  uint64_t* full8_bar = xfull_bar + 2 * Cfg::kConsumerWarps;  // [kStages] (fp8 only)
+  uint64_t* empty8_bar = full8_bar + Cfg::kStages;            // [kStages] (fp8 only)
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -201,8 +223,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   // This step's draft rows to the cache (k_new + kv_write_loc): each CTA of the request's first cluster
   // stores its half of the dims.
   if (row_block == 0 && split == 0) {
-    store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
-    store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid, Cfg::kThreads);
+    if constexpr (Cfg::kKvFp8) {
+      store_new_kv_rows_e4m3(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
+      store_new_kv_rows_e4m3(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
+                             Cfg::kThreads);
+    } else {
+      store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
+      store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
+                        Cfg::kThreads);
+    }
   }
   const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
   float* lse_part = p.lse_part + ws_row_base;
@@ -214,10 +243,17 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int num_tiles = tile_end - tile_begin;
 
   if (tid == 0) {
-    for (int st = 0; st < Cfg::kStages; ++st) {
-      // bulk: 1 arrival + bytes; cp.async: every lane of every producer warp
-      ptx::mbarrier_init(full_bar + st, Cfg::kBulkLoad ? 1 : 32 * Cfg::kProducerWarps);
+    for (int st = 0; st < Cfg::kConsStages; ++st) {
+      // bulk: 1 arrival + bytes; cp.async: every lane of every producer warp; fp8: every converter thread
+      ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? 32 * Cfg::kConverterWarps
+                                                    : (Cfg::kBulkLoad ? 1 : 32 * Cfg::kProducerWarps));
       ptx::mbarrier_init(empty_bar + st, static_cast<uint32_t>(live_warps));
+    }
+    if constexpr (Cfg::kKvFp8) {
+      for (int st = 0; st < Cfg::kStages; ++st) {
+        ptx::mbarrier_init(full8_bar + st, 32);                          // the producer's lanes (cp.async)
+        ptx::mbarrier_init(empty8_bar + st, 32 * Cfg::kConverterWarps);  // every converter thread
+      }
     }
     // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
     for (int i = 0; i < 2 * Cfg::kConsumerWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
@@ -237,7 +273,93 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   }
   const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
 
-  if (warp >= Cfg::kProducerWarp && warp < Cfg::kProducerWarp + Cfg::kProducerWarps) {
+  if (Cfg::kKvFp8 && warp == Cfg::kProducerWarp) {
+    // ---- fp8 producer: 16-byte cp.async of this CTA's 288 e4m3 bytes of each token into the e4m3 ring
+    // (lanes 0-15 / 16-31: the latent half of two tokens per instruction; then 16 tokens' rope halves).
+    // Draft rows taken from k_new (bf16) and tokens past kv_len are not loaded: the converters fill them.
+    if constexpr (Cfg::kKvFp8) {
+      const uint8_t* kv_bytes = reinterpret_cast<const uint8_t*>(p.kv);
+      auto slot_of = [&](int tile) -> int64_t {  // byte address of the cache row, kNoSlot when not loaded
+        const int pos = tile * Cfg::kBlockN + lane;
+        if (lane >= Cfg::kBlockN || pos >= kv_len || (p.k_new != nullptr && pos >= prefix_len)) return kNoSlot;
+        const int64_t page = page_row[pos / Cfg::kPageSize];
+        return reinterpret_cast<int64_t>(kv_bytes + (page * Cfg::kPageSize + pos % Cfg::kPageSize) * p.kv_stride_slot);
+      };
+      int64_t slot = slot_of(tile_begin);
+      for (int i = 0; i < num_tiles; ++i) {
+        const int tile = tile_begin + i;
+        const int stage = i % Cfg::kStages;
+        if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty8_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
+        const int left = kv_len - tile * Cfg::kBlockN;
+        const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
+        uint8_t* dst_stage = fp8_smem + stage * Cfg::kFp8StageBytes;
+        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 2) {  // latent: 16 chunks per token
+          const int n = n0 + lane / 16;
+          const int c = lane % 16;
+          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+          if (n < valid && sn != kNoSlot) {
+            ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + c * 16,
+                                    reinterpret_cast<const uint8_t*>(sn) + rank * Cfg::kLatentHalf + c * 16, true);
+          }
+        }
+        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 16) {  // rope: 2 chunks per token
+          const int n = n0 + lane / 2;
+          const int c = lane % 2;
+          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+          if (n < valid && sn != kNoSlot) {
+            ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + Cfg::kLatentHalf + c * 16,
+                                    reinterpret_cast<const uint8_t*>(sn) + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 16,
+                                    true);
+          }
+        }
+        ptx::cp_async_mbarrier_arrive_noinc(full8_bar + stage);  // this lane's copies complete on full8[stage]
+        slot = i + 1 < num_tiles ? slot_of(tile + 1) : kNoSlot;
+      }
+    }
+  } else if (Cfg::kKvFp8 && warp >= Cfg::kConverterWarp && warp < Cfg::kConverterWarp + Cfg::kConverterWarps) {
+    // ---- fp8 converters: e4m3 stage i -> bf16 stage i % kConsStages, 16 values per thread-step; draft rows
+    // (k_new) copied from k_new's bf16, tokens past kv_len written as 0.
+    if constexpr (Cfg::kKvFp8) {
+      constexpr int kChunksPerRow = Cfg::kDimCta / 16;  // 16 latent + 2 rope chunks of 16 values
+      constexpr int kConvThreads = 32 * Cfg::kConverterWarps;
+      const int ct = tid - Cfg::kConverterWarp * 32;
+      for (int i = 0; i < num_tiles; ++i) {
+        const int st8 = i % Cfg::kStages;
+        const int cs = i % Cfg::kConsStages;
+        ptx::mbarrier_wait_parity(full8_bar + st8, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+        if (i >= Cfg::kConsStages) {
+          ptx::mbarrier_wait_parity(empty_bar + cs, static_cast<uint32_t>(i / Cfg::kConsStages - 1) & 1u);
+        }
+        const int pos0 = (tile_begin + i) * Cfg::kBlockN;
+        const uint8_t* src_stage = fp8_smem + st8 * Cfg::kFp8StageBytes;
+        __nv_bfloat16* dst_stage = kv_smem + cs * Cfg::kStageElems;
+        for (int c = ct; c < Cfg::kBlockN * kChunksPerRow; c += kConvThreads) {
+          const int n = c / kChunksPerRow;
+          const int ch = c % kChunksPerRow;
+          const int pos = pos0 + n;
+          uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+          if (pos < kv_len) {
+            if (p.k_new != nullptr && pos >= prefix_len) {
+              const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
+                                                      : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
+                                                            (ch - Cfg::kLatentSteps) * 16;
+              const __nv_bfloat16* g =
+                  p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
+              lo = *reinterpret_cast<const uint4*>(g);
+              hi = *reinterpret_cast<const uint4*>(g + 8);
+            } else {
+              e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16), lo, hi);
+            }
+          }
+          uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
+          d[0] = lo;
+          d[1] = hi;
+        }
+        ptx::mbarrier_arrive(empty8_bar + st8);  // this thread is done reading the e4m3 stage
+        ptx::mbarrier_arrive(full_bar + cs);     // and has written its part of the bf16 stage
+      }
+    }
+  } else if (!Cfg::kKvFp8 && warp >= Cfg::kProducerWarp && warp < Cfg::kProducerWarp + Cfg::kProducerWarps) {
     // ---- producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token
     // tok_p + n (its row address is gathered one tile ahead).
     const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
@@ -345,15 +467,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     const int m4 = lane / 8;  // ldmatrix matrix index of this lane's row address
     const int tok0 = wh * (Cfg::kSubTile / Cfg::kWarpsPerTile);  // this warp's first score token of a sub-tile
 
-    // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kStages at row offset 16 (j % kSubTiles).
+    // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kConsStages at row offset 16 (j % kSubTiles).
     auto sub_kv = [&](int j) {
-      return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kStages) * Cfg::kStageElems +
+      return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kConsStages) * Cfg::kStageElems +
              (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
     };
     auto wait_full = [&](int j) {  // the stage of sub-tile j has landed (first sub-tile of a stage only)
       if (j % Cfg::kSubTiles == 0) {
         const int i = j / Cfg::kSubTiles;
-        ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+        ptx::mbarrier_wait_parity(full_bar + i % Cfg::kConsStages, static_cast<uint32_t>(i / Cfg::kConsStages) & 1u);
       }
     };
     // S_c of this warp's tokens of sub-tile j over this CTA's 288 dims, in two independent accumulator
@@ -576,7 +698,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       pv(j, pa);
       if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {  // this warp is done with the stage of sub-tile j
         __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kStages);
+        if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
       }
       if (more) softmax(j + 1, s, pa);
     }

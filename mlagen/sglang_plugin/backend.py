@@ -423,7 +423,8 @@ class MlagenAttnBackend(_Base):
     def _kernel_writes_kv(self) -> bool:
         """Whether the verify launch may take over SGLang's KV write (``MLATokenToKVPool.set_kv_buffer``):
         only for an MLA pool whose write door is that method (not a subclass's, e.g. the FP4 pool's), with
-        bf16 storage, no DSA fp8 store, no physical-loc plan and no decode-context-parallel write
+        bf16 storage or e4m3 stored as uint8 (fp8_e4m3 variants quantize the rows as its cast does), no
+        DSA fp8 store, no physical-loc plan and no decode-context-parallel write
         translation, where the write is a plain row store of ``k`` at ``out_cache_loc``. Read once."""
         if self._pool_write_ok is None:
             pool = self.token_to_kv_pool
@@ -431,9 +432,11 @@ class MlagenAttnBackend(_Base):
             try:
                 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
+                # bf16 pool, or an e4m3 pool stored as uint8 (the launch quantizes as set_kv_buffer's cast does)
+                dtypes = ((pool.dtype == torch.bfloat16 and getattr(pool, "store_dtype", None) == torch.bfloat16)
+                          or (pool.dtype == torch.float8_e4m3fn and getattr(pool, "store_dtype", None) == torch.uint8))
                 ok = (isinstance(pool, MLATokenToKVPool) and type(pool).set_kv_buffer is MLATokenToKVPool.set_kv_buffer
-                      and not getattr(pool, "requires_physical_write_loc", False) and pool.dtype == torch.bfloat16
-                      and getattr(pool, "store_dtype", None) == torch.bfloat16
+                      and not getattr(pool, "requires_physical_write_loc", False) and dtypes
                       and not getattr(pool, "dsa_kv_cache_store_fp8", False)
                       and int(pool._write_loc_dcp_span) == 1)
             except Exception:  # another SGLang layout: SGLang's own write

@@ -35,6 +35,17 @@ SUPPORTED_ARCHITECTURES = TESTED_ARCHITECTURES  # the previous name
 SUPPORTED_SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 MAX_TREE_DRAFT_TOKENS = 64  # the kernel's tree mask is one int64 bitmask per query row
 KV_CACHE_DTYPES_OK = ("bfloat16", "bf16", "auto")
+FP8_KV_CACHE_DTYPES = ("float8_e4m3fn", "fp8_e4m3")  # --kv-cache-dtype fp8_e4m3: served by dtype fp8_e4m3 variants
+
+
+def server_kv_dtype(f: "ServerFacts") -> str:
+    """The installed-variant dtype ("bf16" or "fp8_e4m3") this server's KV pool needs (None: neither)."""
+    d = str(f.kv_cache_dtype).replace("torch.", "")
+    if d in KV_CACHE_DTYPES_OK:
+        return "bf16"
+    if d in FP8_KV_CACHE_DTYPES:
+        return "fp8_e4m3"
+    return None
 
 
 class MlagenSetupError(ValueError):
@@ -147,10 +158,10 @@ def check_model(f: ServerFacts) -> None:
         )
     if f.kv_lora_rank is None or f.qk_rope_head_dim is None:
         raise MlagenSetupError("mlagen: the model config has no kv_lora_rank / qk_rope_head_dim (not MLA)")
-    if str(f.kv_cache_dtype).replace("torch.", "") not in KV_CACHE_DTYPES_OK:
+    if server_kv_dtype(f) is None:
         raise MlagenSetupError(
-            f"mlagen: KV cache dtype {f.kv_cache_dtype} is not supported; mlagen kernels read a bf16 "
-            f"KV cache. Run a bf16 model with --kv-cache-dtype auto (or bfloat16)."
+            f"mlagen: KV cache dtype {f.kv_cache_dtype} is not supported; mlagen kernels read a bf16 or an "
+            f"fp8 e4m3 KV cache. Use --kv-cache-dtype auto (bf16 models), bfloat16 or fp8_e4m3."
         )
     if f.dcp_size > 1:
         raise MlagenSetupError("mlagen: decode context parallelism (--dcp-size > 1) is not supported")
@@ -181,7 +192,7 @@ def check_model(f: ServerFacts) -> None:
 def _describe(e: dict) -> str:
     return (f"{e.get('uri')} (role={e.get('role')}, heads={e.get('heads')}, q_len={e.get('q_len')}, "
             f"page_size={e.get('page_size')}, kv_lora_rank={e.get('kv_lora_rank')}, "
-            f"qk_rope_head_dim={e.get('qk_rope_head_dim')}, mask={e.get('mask')})")
+            f"qk_rope_head_dim={e.get('qk_rope_head_dim')}, mask={e.get('mask')}, kv_dtype={e.get('kv_dtype', 'bf16')})")
 
 
 def _mismatches(e: dict, f: ServerFacts, q_len_needed: int, masks_ok: tuple) -> list:
@@ -198,6 +209,9 @@ def _mismatches(e: dict, f: ServerFacts, q_len_needed: int, masks_ok: tuple) -> 
         out.append(f"q_len {e['q_len']} < {q_len_needed} draft tokens")
     if e["mask"] not in masks_ok:
         out.append(f"mask {e['mask']!r} not in {list(masks_ok)}")
+    want = server_kv_dtype(f)
+    if e.get("kv_dtype", "bf16") != want:
+        out.append(f"KV cache dtype {e.get('kv_dtype', 'bf16')} != {want} (--kv-cache-dtype {f.kv_cache_dtype})")
     return out
 
 
@@ -205,7 +219,8 @@ def _build_hint(f: ServerFacts, role: str, q_len: int, mask: str) -> str:
     return (
         f"Build and install a {role} variant with heads_per_rank: {f.heads_per_rank}, q_len: {q_len}, "
         f"page_size: {f.page_size}, kv_lora_rank: {f.kv_lora_rank}, qk_rope_head_dim: {f.qk_rope_head_dim}, "
-        f"mask: {mask} (`mlagen build SPEC.yaml`, then `mlagen install SPEC.yaml` or `mlagen install --uri URI`)."
+        f"mask: {mask}{', dtype: fp8_e4m3' if server_kv_dtype(f) == 'fp8_e4m3' else ''} "
+        f"(`mlagen build SPEC.yaml`, then `mlagen install SPEC.yaml` or `mlagen install --uri URI`)."
     )
 
 

@@ -26,6 +26,7 @@ STATE_FILE = "installed.json"
 ARCHS = ("sm_90", "sm_120")
 ROLES = ("verify", "decode")
 MASKS = ("tree", "causal", "none")
+KV_DTYPES = ("bf16", "fp8_e4m3")  # the variant's KV cache dtype (entries written before it existed: bf16)
 _INT_FIELDS = ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim")
 _STR_FIELDS = ("uri", "so_path", "bucket")
 
@@ -71,6 +72,9 @@ def validate_entry(entry: Any, where: str = "entry") -> dict:
         raise InstalledStateError(f"{where}: nsplit must be a positive int or 'auto', got {ns!r}")
     if entry["role"] == "decode" and entry["q_len"] != 1:
         raise InstalledStateError(f"{where}: a decode entry must have q_len 1, got {entry['q_len']}")
+    kv_dtype = entry.get("kv_dtype", "bf16")
+    if kv_dtype not in KV_DTYPES:
+        raise InstalledStateError(f"{where}: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     return dict(entry)
 
 
