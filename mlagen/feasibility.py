@@ -31,7 +31,7 @@ def dimsplit_pairs(v: Variant) -> bool:
     """Whether a dimsplit variant runs two consumer warps per row tile (num_warps = 2 x row_tiles + 1;
     MlaDimSplitConfig::kPairs): each scores 8 of a sub-tile's 16 tokens and owns 128 of the CTA's 256
     output dims."""
-    return v.schedule == "dimsplit" and v.num_warps == 2 * v.row_tiles + 1
+    return v.schedule == "dimsplit" and v.dtype != "fp8_e4m3" and v.num_warps == 2 * v.row_tiles + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,9 @@ def _dimsplit_reason(v: Variant) -> str | None:
             return f"dtype fp8_e4m3 loads with 16-byte cp.async: load_width must be 128, got {v.load_width}"
         if v.kv_lora_rank != 512 or v.qk_rope_head_dim != 64:
             return "dtype fp8_e4m3 copies 256 + 32 bytes of each row per CTA: kv_lora_rank 512, qk_rope_head_dim 64"
+        if v.row_tiles + 3 > 8:
+            return (f"dtype fp8_e4m3 runs row_tiles + 3 warps (a producer and two converter warps) of at most 8: "
+                    f"at most 5 row tiles, got {v.row_tiles} ({v.rows_max} rows)")
         if v.num_warps != v.row_tiles + 3:
             return (f"dtype fp8_e4m3 runs one warp per row tile, a producer and two converter warps: num_warps must be "
                     f"row_tiles + 3 = {v.row_tiles + 3}, got {v.num_warps}")

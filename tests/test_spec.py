@@ -255,3 +255,18 @@ def test_fp8_e4m3_dtype_uri_and_feasibility():
     assert bf16.uri == v.uri.replace("fp8e4m3", "bf16") and template_context(bf16)["kv_fp8"] == 0
     with pytest.raises(SpecError, match="dtype"):
         parse_spec(dict(base, dtype="fp8_e5m2"))
+
+
+def test_fp8_e4m3_at_two_row_tiles_is_one_warp_per_tile():
+    """num_warps = row_tiles + 3 is also 2 x row_tiles + 1 at row_tiles 2 (e.g. H16 q2): an fp8 variant there
+    is one consumer warp per tile, a producer and two converters (not a pair build), in the Python model
+    and in MlaDimSplitConfig; beyond 5 row tiles fp8 would need more than 8 warps and is refused."""
+    from mlagen.feasibility import dimsplit_pairs, infeasible_reason, resources
+
+    base = dict(page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3, mask="tree", schedule="dimsplit",
+                dtype="fp8_e4m3")
+    (v,) = parse_spec(dict(base, heads_per_rank=16, q_len=2, row_tiles=2, num_warps=5)).variants()
+    assert not dimsplit_pairs(v) and infeasible_reason(v) is None
+    assert resources(v).regs_o == 128  # a warp owns all 256 output dims of its tile
+    (h64,) = parse_spec(dict(base, heads_per_rank=64, q_len=9, row_tiles=6, num_warps=8)).variants()
+    assert "at most 5 row tiles" in infeasible_reason(h64)

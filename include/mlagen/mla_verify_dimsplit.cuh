@@ -67,7 +67,8 @@ struct MlaDimSplitConfig {
   // [8h, 8h + 8) of each sub-tile and owns output dims [128h, 128h + 128); P and the row maxima cross
   // between the two through shared memory, one named barrier per sub-tile), else 1 (a warp owns its
   // tile's scores of all 16 tokens of a sub-tile and all 256 output dims of the CTA; extra warps idle).
-  static constexpr int kWarpsPerTile = kWarps_ == 2 * kRowTiles_ + 1 ? 2 : 1;
+  // (fp8: always 1; its num_warps = row_tiles + 3 equals 2 x row_tiles + 1 at row_tiles 2.)
+  static constexpr int kWarpsPerTile = (!kKvFp8_ && kWarps_ == 2 * kRowTiles_ + 1) ? 2 : 1;
   static constexpr bool kPairs = kWarpsPerTile == 2;
   static constexpr int kConsumerWarps = kRowTiles * kWarpsPerTile;
   static constexpr int kProducerWarp = kConsumerWarps;  // the first producer warp
