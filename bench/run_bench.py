@@ -64,6 +64,21 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
                 load_width=["bulk", 128])  # rowblock: bulk beat 128-bit cp.async at every H200 grid shape
 
 
+def fp8_tuning_spec(H: int, q_len: int, ps: int) -> dict:
+    """The e4m3-KV sweep of a bucket (``--fp8``): dimsplit with a producer and two converter warps; its
+    other keys are fixed by the schedule (cp.async loader, block_n 32, one row-tile count per shape)."""
+    rt = dimsplit_row_tiles(H * q_len)
+    return dict(name=f"bench_fp8_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
+                mask="tree" if q_len > 1 else "causal", nsplit="auto", block_n=32, stages=[2, 3], row_tiles=rt,
+                num_warps=rt + 3, schedule="dimsplit", load_width=128, dtype="fp8_e4m3")
+
+
+def fp8_problem(p: dict) -> dict:
+    """``p`` with its KV cache cast to e4m3 (N(0, 1) values: nothing near +-448), the pool SGLang's
+    --kv-cache-dtype fp8_e4m3 holds; the same q, lengths, table and tree."""
+    return dict(p, kv_cache=p["kv_cache"].to(torch.float8_e4m3fn))
+
+
 def mlagen_args(p: dict, k: VerifyKernel):
     """mlagen's view of an SGLang problem: same q / pool / lengths / tree; page ids from req_to_token."""
     P = p["page_size"]
@@ -90,6 +105,9 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--fi-columns", type=_fi_columns_arg, metavar="LIST",
                     help="FlashInfer columns, comma-separated from fa2, fa2@sm120, fa3 (default: all three, fa3 on "
                     "Hopper only; with --smem-per-sm: fa2@sm120 only)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the fastest verified dtype fp8_e4m3 variant on the same problem with its KV cast "
+                         "to e4m3 (columns: µs, x the bf16 dimsplit time, fraction of the fp8 floor)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
@@ -117,12 +135,17 @@ def _select_grid(a: argparse.Namespace) -> list[tuple]:
 
 
 def _build_buckets(buckets, a) -> dict:
-    """Build (or find cached) the tuning sweep of each (H, q_len, page_size) bucket; failures printed."""
+    """Build (or find cached) the tuning sweep of each (H, q_len, page_size) bucket, and with ``--fp8`` its
+    e4m3 sweep (key (H, q_len, page_size, "fp8_e4m3")); failures printed."""
     reports = {}
     for H, q, ps in buckets:
-        reports[(H, q, ps)] = rep = build(parse_spec(tuning_spec(H, q, ps)), kernels=a.kernels, jobs=a.jobs)
-        for v, m in rep.failed:
-            print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+        specs = [((H, q, ps), tuning_spec(H, q, ps), a.kernels)]
+        if getattr(a, "fp8", False):
+            specs.append(((H, q, ps, "fp8_e4m3"), fp8_tuning_spec(H, q, ps), None))
+        for key, spec, glob in specs:
+            reports[key] = rep = build(parse_spec(spec), kernels=glob, jobs=a.jobs)
+            for v, m in rep.failed:
+                print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
     return reports
 
 
@@ -130,7 +153,8 @@ def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] |
     """Build the tuning sweep of every (H, q_len, page_size) bucket and keep the variants that pass
     the quick verification set on this GPU; None when a bucket has no verified nsplit-auto variant."""
     kernels: dict[tuple, list[VerifyKernel]] = {}
-    for (H, q, ps), rep in _build_buckets(buckets, a).items():
+    for key, rep in _build_buckets(buckets, a).items():
+        H, q, ps = key[:3]
         ks = []
         verified: dict[str, bool] = {}
         for b in rep.built:
@@ -152,10 +176,13 @@ def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] |
             else:
                 print(f"NOT verified, excluded: {b.uri}")
         if not any(k.variant.nsplit == "auto" for k in ks):  # the timed candidates are the auto variants
+            if len(key) > 3:  # the fp8 columns stay empty for this bucket
+                print(f"no verified fp8_e4m3 variant for H={H} q_len={q} page_size={ps}: fp8 columns left out")
+                continue
             print(f"no verified nsplit-auto variant for H={H} q_len={q} page_size={ps}"
                   + (f" matching --kernels {a.kernels} (keep the ns field free)" if a.kernels else ""))
             return None
-        kernels[(H, q, ps)] = ks
+        kernels[key] = ks
     return kernels
 
 
@@ -243,9 +270,32 @@ def _measure_shape(shape, kernels, ceil, ok_sgl, fi_cols=(), fi_smem=SM120_SMEM_
             row["sglang_error"] = f"{type(e).__name__}: {e}"
     if fi_cols:
         row.update(_measure_fi(p, [k for k in cands if k.variant.uri == best_uri][0], fi_cols, fi_smem))
+    f8 = kernels.get((H, q, ps, "fp8_e4m3"))
+    if f8:
+        row.update(_measure_fp8(p, f8, times, ceil))
     del p
     torch.cuda.empty_cache()
     return row, sweep
+
+
+def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict) -> dict:
+    """fp8 columns of a row: the fastest verified e4m3 variant on ``p`` with its KV cast to e4m3, its ratio
+    to the fastest bf16 dimsplit candidate of the same row (the issue's "same schedule"), its fraction of the
+    fp8 floor (KV bytes halved), and max |fp8 - bf16 dimsplit on the dequantized values| (0 expected: the
+    conversion is exact)."""
+    H, q, bs, ctx = p["H"], p["q_len"], p["bs"], p["ctx"]
+    pf = fp8_problem(p)
+    times = {k.variant.uri: time_mlagen(pf, k) for k in ks if k.variant.nsplit == "auto"}
+    uri = min(times, key=times.get)
+    us = times[uri]
+    nbytes = verify_bytes(H, q, bs, ctx, kv_bytes=1)
+    floor = max(nbytes / (ceil["copy_gbs"] * 1e3), verify_flops(H, q, bs, ctx) / (ceil["mma_tflops"] * 1e6))
+    res = dict(fp8_uri=uri, fp8_us=us, fp8_floor_us=floor, fp8_frac_floor=floor / us, fp8_candidates=times)
+    ds = {u: t for u, t in bf16_times.items() if "_dimsplit_" in u}
+    if ds:
+        res["fp8_over_bf16_dimsplit"] = us / min(ds.values())
+    del pf
+    return res
 
 
 def _versions() -> dict:
@@ -471,7 +521,8 @@ def _tile(uri: str) -> str:
 
     v = Variant.from_uri(uri)
     return (f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
-            f"{'_ov1' if v.overlap else ''}{'_dimsplit' if v.schedule == 'dimsplit' else ''}")
+            f"{'_ov1' if v.overlap else ''}{'_dimsplit' if v.schedule == 'dimsplit' else ''}"
+            f"{'_fp8' if v.dtype == 'fp8_e4m3' else ''}")
 
 
 def _fmt(r: dict) -> str:
@@ -486,6 +537,10 @@ def _fmt(r: dict) -> str:
         us = r.get(f"{fib.KEYS[c]}_us")
         if us is not None:
             s += f" | {fib.LABELS[c]} {us:7.1f} us ({us / r['mlagen_us']:4.2f}x)"
+    if "fp8_us" in r:
+        s += (f" | fp8 {_tile(r['fp8_uri'])} {r['fp8_us']:7.1f} us"
+              + (f" ({r['fp8_over_bf16_dimsplit']:.2f}x bf16 dimsplit)" if "fp8_over_bf16_dimsplit" in r else "")
+              + f" {r['fp8_frac_floor']:.2f} of fp8 floor ({r['fp8_floor_us']:.1f} us)")
     if "auto_over_best_fixed" in r:
         s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
     if "max_abs_diff_vs_sglang" in r:
