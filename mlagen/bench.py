@@ -51,11 +51,18 @@ def copy_bandwidth_gbs(device=None, nbytes: int = 1 << 30, reps: int = 20) -> fl
     return 2 * n / (events_median_us(lambda: dst.copy_(src), reps) * 1e-6) / 1e9
 
 
-def events_median_us(fn, reps: int) -> float:
-    """Median µs of ``fn()`` over ``reps`` calls, each timed by a CUDA event pair on the current stream."""
+def events_median_us(fn, reps: int, hide_host_cycles: int = 0) -> float:
+    """Median µs of ``fn()`` over ``reps`` calls, each timed by a CUDA event pair on the current stream.
+
+    hide_host_cycles > 0: before each call, a sleep kernel of that many GPU cycles is queued ahead of the
+    start event (after a synchronize), so the host enqueues ``fn`` while the GPU is busy and the events
+    time only ``fn``'s GPU work (pick more cycles than ``fn``'s host time)."""
     times = []
     for _ in range(reps):
         st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hide_host_cycles:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(hide_host_cycles))
         st.record()
         fn()
         en.record()

@@ -224,15 +224,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   // This step's draft rows to the cache (k_new + kv_write_loc): each CTA of the request's first cluster
   // stores its half of the dims.
   if (row_block == 0 && split == 0) {
-    if constexpr (Cfg::kKvFp8) {
-      store_new_kv_rows_e4m3(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
-      store_new_kv_rows_e4m3(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
-                             Cfg::kThreads);
-    } else {
-      store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
-      store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
-                        Cfg::kThreads);
-    }
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid,
+                                   Cfg::kThreads);
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf,
+                                   tid, Cfg::kThreads);
   }
   const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
   float* lse_part = p.lse_part + ws_row_base;

@@ -47,40 +47,28 @@ __device__ __forceinline__ const __nv_bfloat16* row_at(int64_t addr, int dim = 0
 }
 
 // Store request b's q_len rows of k_new (dims [dim0, dim0 + dims), a multiple of 8) to the cache at
-// kv_write_loc, 16 bytes per thread-step; called by every thread of the one CTA that writes request b.
+// kv_write_loc, 8 values per thread-step; called by every thread of the one CTA that writes request b.
+// kE4m3: the cache holds e4m3 bytes (kv_stride_slot in bytes) and each bf16 value is quantized as
+// SGLang's KV write casts it (bf16x8_to_e4m3x8: round to nearest even, saturating).
+template <bool kE4m3 = false>
 __device__ __forceinline__ void store_new_kv_rows(const MlaVerifyParams& p, int b, int dim0, int dims, int tid,
                                                   int nthreads) {
   if (p.k_new == nullptr || p.kv_write_loc == nullptr) return;
   const int chunks = dims / 8;
   const int total = p.q_len * chunks;
-  __nv_bfloat16* kv = const_cast<__nv_bfloat16*>(p.kv);
   for (int c = tid; c < total; c += nthreads) {
     const int i = c / chunks;
     const int dim = dim0 + (c % chunks) * 8;
     const int64_t row = static_cast<int64_t>(b) * p.q_len + i;
     const int64_t loc = p.kv_write_loc[row];
     if (loc < 0 || loc >= p.kv_num_slots) continue;
-    *reinterpret_cast<uint4*>(kv + loc * p.kv_stride_slot + dim) =
-        *reinterpret_cast<const uint4*>(p.k_new + row * p.k_new_stride_tok + dim);
-  }
-}
-
-// As store_new_kv_rows for an e4m3 cache (kv is bytes, kv_stride_slot in bytes): each bf16 row of k_new
-// is quantized as SGLang's KV write does (bf16x8_to_e4m3x8: RNE, saturating).
-__device__ __forceinline__ void store_new_kv_rows_e4m3(const MlaVerifyParams& p, int b, int dim0, int dims, int tid,
-                                                       int nthreads) {
-  if (p.k_new == nullptr || p.kv_write_loc == nullptr) return;
-  const int chunks = dims / 8;
-  const int total = p.q_len * chunks;
-  uint8_t* kv = reinterpret_cast<uint8_t*>(const_cast<__nv_bfloat16*>(p.kv));
-  for (int c = tid; c < total; c += nthreads) {
-    const int i = c / chunks;
-    const int dim = dim0 + (c % chunks) * 8;
-    const int64_t row = static_cast<int64_t>(b) * p.q_len + i;
-    const int64_t loc = p.kv_write_loc[row];
-    if (loc < 0 || loc >= p.kv_num_slots) continue;
-    *reinterpret_cast<uint2*>(kv + loc * p.kv_stride_slot + dim) =
-        bf16x8_to_e4m3x8(*reinterpret_cast<const uint4*>(p.k_new + row * p.k_new_stride_tok + dim));
+    const uint4 v = *reinterpret_cast<const uint4*>(p.k_new + row * p.k_new_stride_tok + dim);
+    if constexpr (kE4m3) {
+      uint8_t* kv = reinterpret_cast<uint8_t*>(const_cast<__nv_bfloat16*>(p.kv));
+      *reinterpret_cast<uint2*>(kv + loc * p.kv_stride_slot + dim) = bf16x8_to_e4m3x8(v);
+    } else {
+      *reinterpret_cast<uint4*>(const_cast<__nv_bfloat16*>(p.kv) + loc * p.kv_stride_slot + dim) = v;
+    }
   }
 }
 
