@@ -51,6 +51,44 @@ def _profile(fn, title: str, reps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
+def _timeline(fn, title: str, reps: int = 7) -> None:
+    """Print one eager step's timeline from torch.profiler (kineto: CPU and GPU on one clock): the host's
+    launches and the GPU's kernels / copies, µs from the step's start, for the step of median length of
+    ``reps`` (each started on an idle GPU, as the eager timing is)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            torch.cuda.synchronize()
+            with record_function(f"eager_step_{i}"):
+                fn()
+            torch.cuda.synchronize()
+    evs = list(prof.events())
+    steps = sorted((e for e in evs if e.name.startswith("eager_step_")), key=lambda e: e.time_range.start)
+    ends = [s.time_range.start for s in steps[1:]] + [float("inf")]
+    rows_of = []
+    for st, nxt in zip(steps, ends):
+        t0 = st.time_range.start
+        gpu = [e for e in evs if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start < nxt]
+        api = [e for e in evs if e.device_type == DeviceType.CPU and t0 <= e.time_range.start < nxt
+               and (("Launch" in e.name and e.name.startswith("cu")) or "Memcpy" in e.name or "Memset" in e.name
+                    or "Synchronize" in e.name)]
+        end = max([st.time_range.end] + [e.time_range.end for e in gpu])
+        rows_of.append((end - t0, st, gpu, api))
+    rows_of.sort(key=lambda r: r[0])
+    span, st, gpu, api = rows_of[len(rows_of) // 2]
+    t0 = st.time_range.start
+    print(f"\n# timeline of {title}: host {st.time_range.end - t0:.1f} µs, last GPU work ends at {span:.1f} µs "
+          f"(median of {reps}; spans {', '.join(f'{r[0]:.0f}' for r in rows_of)})")
+    marks = [(e.time_range.start - t0, f"host  {e.name} ({e.time_range.end - e.time_range.start:.1f} µs)") for e in api]
+    marks += [(e.time_range.start - t0, f"GPU   {e.name[:70]} until {e.time_range.end - t0:.1f} "
+               f"({e.time_range.end - e.time_range.start:.1f} µs)") for e in gpu]
+    for t, what in sorted(marks):
+        print(f"  {t:8.1f}  {what}")
+
+
 EAGER_BAR_US = 60.0  # eager step <= captured step + this, for one layer
 
 
@@ -117,6 +155,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--profile-eager", action="store_true",
                     help="also print torch.profiler's top ops of each backend's eager step (first bs and context)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print one eager step's host launches and GPU kernels on one clock (torch.profiler), "
+                         "for each backend and shape")
     ap.add_argument("--layers", type=int, default=61,
                     help="layers of the host-time eager step (first bs and context; 0: skip)")
     ap.add_argument("--breakdown", action="store_true",
@@ -168,6 +209,11 @@ def main() -> int:
                 res[name + "_eager"] = events_median_us(eager, max(5, a.reps // 5))
                 # the eager step's GPU time with the host hidden (~1 ms of sleep queued ahead of it)
                 res[name + "_eager_gpu"] = events_median_us(eager, max(5, a.reps // 5), hide_host_cycles=2_000_000)
+                if a.timeline:
+                    try:
+                        _timeline(eager, f"{name} eager step, bs {bs} ctx {ctx}")
+                    except Exception as e:  # a diagnostic: never stops the measurement
+                        print(f"timeline not printed: {type(e).__name__}: {e}")
                 if a.profile_eager and bs == bss[0] and ctx == ctxs[0]:
                     _profile(eager, f"{name} eager step, bs {bs} ctx {ctx}")
                 if a.breakdown and name == "ours" and bs == bss[0] and ctx == ctxs[0]:

@@ -139,7 +139,8 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          *, q_len: int, page_size: int, softmax_scale: float, kv_lora_rank: int = 512,
                          mask: str = "tree", tree_mask: torch.Tensor | None = None,
                          req_pool_indices: torch.Tensor | None = None,
-                         kv_scale: float | tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_scale: float | tuple[float, float] | None = None,
+                         with_magnitude: bool = False):
     """fp32 reference on the bf16 (or fp8 KV) inputs.
 
     Args:
@@ -156,9 +157,12 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             and out = softmax(scores) V_stored x v_scale: SGLang 0.5.23's Triton backend
             (extend_attention.py:646 / :713, decode_attention.py:1305 / :1016; docs/fp8-kv-cache.md).
             Only rows of visible positions (< kv_len) are read: NaN bytes elsewhere never matter.
+        with_magnitude: also return P |V| (fp32, out's shape): the scale of each output element's rounding
+            error (bf16 P and bf16 out each round relative to it), which the tolerance of
+            :func:`mlagen.verify.compare` grows with (fp8 rows at +-448 give outputs in the hundreds).
     Returns:
         out fp32 [bs*q_len, H, kv_lora_rank], lse fp32 [bs*q_len, H] (natural log of the scaled scores;
-        -inf when no key is visible).
+        -inf when no key is visible); with ``with_magnitude`` a third tensor, P |V|.
     """
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1])
     fp8 = is_fp8_kv(kv)
@@ -170,6 +174,7 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     H = q.shape[1]
     out = torch.zeros(bs * q_len, H, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.full((bs * q_len, H), float("-inf"), dtype=torch.float32, device=q.device)
+    mag = torch.zeros_like(out) if with_magnitude else None
     lens = kv_lens.tolist()
     rows = req_pool_indices.tolist() if req_pool_indices is not None else list(range(bs))
     for b in range(bs):
@@ -196,7 +201,9 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         p = torch.exp(s - lse_b[..., None]).nan_to_num(0.0)  # rows with no visible key -> 0
         out[b * q_len:(b + 1) * q_len] = torch.einsum("ihl,ld->ihd", p, v)
         lse[b * q_len:(b + 1) * q_len] = lse_b
-    return out, lse
+        if with_magnitude:
+            mag[b * q_len:(b + 1) * q_len] = torch.einsum("ihl,ld->ihd", p, v.abs())
+    return (out, lse, mag) if with_magnitude else (out, lse)
 
 
 def mla_verify_naive(q, kv_cache, block_table, kv_lens, *, q_len, page_size, softmax_scale, kv_lora_rank=512,

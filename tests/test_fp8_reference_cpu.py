@@ -244,3 +244,33 @@ def test_verify_cases_of_an_fp8_variant_are_the_fp8_case_set():
     assert all(c.kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8) for c in cases)
     assert {c.kv_scale for c in cases} >= {1.0, 0.37, 3.1, (0.37, 3.1)}
     assert any(c.kv_lens.tolist() == [v.q_len] for c in cases)  # kv_len == q_len
+
+
+# ------------------------------------------------------------------ tolerance of mlagen.verify.compare
+def test_compare_bound_grows_with_the_output_magnitude_only_where_it_is_large():
+    """An output rounded to bf16 passes even where it is large (v_scale 300: values in the hundreds, bf16
+    rounding errors far over out_atol), while an error of a few out_atol at an element of small magnitude,
+    a few times the bound at the largest, or one NaN, fails."""
+    from mlagen.verify import TOLERANCE, compare
+
+    v = _variant(heads=2, q_len=3, page_size=4)
+    p = make_fp8_problem(v, [5, 4 * 3 + 3], special=True, kv_scale=(1.0, 300.0), device="cpu")
+    ref, lse, mag = _ref(p, with_magnitude=True)
+    got = ref.to(torch.bfloat16)
+    r = compare(p, got, lse, "fp8_e4m3")
+    assert r.passed, r.detail
+    tol = TOLERANCE["fp8_e4m3"]
+    assert float((got.float() - ref).abs().max()) > tol["out_atol"]  # the old absolute bound would refuse it
+    small = int(mag.flatten().argmin())
+    bad = got.clone().flatten()
+    assert float(mag.flatten()[small]) < 1.0
+    bad[small] += 3 * (tol["out_atol"] + tol["out_rtol_mag"] * float(mag.flatten()[small]))  # < 0.09
+    r = compare(p, bad.view_as(got), lse, "fp8_e4m3")
+    assert not r.passed and "P|V|" in r.detail
+    big = int(mag.flatten().argmax())
+    bad = ref.clone().flatten()
+    bad[big] += 4 * (tol["out_atol"] + tol["out_rtol_mag"] * float(mag.flatten()[big]))
+    assert not compare(p, bad.view_as(got), lse, "fp8_e4m3").passed
+    nan = got.clone().flatten()
+    nan[big] = float("nan")
+    assert not compare(p, nan.view_as(got), lse, "fp8_e4m3").passed

@@ -97,7 +97,7 @@ elif [ "$MODE" = fp8 ]; then
   FP8_URI=${FP8_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_fp8e4m3_sm120_sm90}
   step memcheck_fp8 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$FP8_URI" 0 0 quick
   step bench_fp8 "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 --skip-sglang \
-    --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*}" --out "$OUT"
+    --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
   grep -E "^H=|tiles:|built|failed|Error" "$OUT/bench_fp8.log" | tail -30
 elif [ "$MODE" = ablate ]; then
   step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
