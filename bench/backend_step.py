@@ -58,7 +58,18 @@ def _timeline(fn, title: str, reps: int = 7) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    import warnings
+
     fn()
+    with warnings.catch_warnings(record=True) as caught:  # torch ops that wait for the GPU (pageable copies, .item())
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    print(f"\n# {title}: {len(syncs)} synchronizing torch ops" + "".join(f"\n    {m}" for m in syncs))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(reps):
             torch.cuda.synchronize()
