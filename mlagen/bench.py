@@ -51,8 +51,8 @@ def copy_bandwidth_gbs(device=None, nbytes: int = 1 << 30, reps: int = 20) -> fl
     return 2 * n / (events_median_us(lambda: dst.copy_(src), reps) * 1e-6) / 1e9
 
 
-def events_median_us(fn, reps: int, hide_host_cycles: int = 0) -> float:
-    """Median µs of ``fn()`` over ``reps`` calls, each timed by a CUDA event pair on the current stream.
+def events_times_us(fn, reps: int, hide_host_cycles: int = 0) -> list[float]:
+    """µs of each of ``reps`` calls of ``fn()``, each timed by a CUDA event pair on the current stream.
 
     hide_host_cycles > 0: before each call, a sleep kernel of that many GPU cycles is queued ahead of the
     start event (after a synchronize), so the host enqueues ``fn`` while the GPU is busy and the events
@@ -68,7 +68,12 @@ def events_median_us(fn, reps: int, hide_host_cycles: int = 0) -> float:
         en.record()
         en.synchronize()
         times.append(st.elapsed_time(en) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def events_median_us(fn, reps: int, hide_host_cycles: int = 0) -> float:
+    """Median µs of ``fn()`` over ``reps`` calls (:func:`events_times_us`)."""
+    return statistics.median(events_times_us(fn, reps, hide_host_cycles))
 
 
 def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
