@@ -23,6 +23,12 @@ MAX_SPLITS = 256
 SM120_SMEM_PER_SM = 102400  # shared memory per SM on sm_120 (RTX PRO 6000 Blackwell): 100 KB
 CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA (sm_80 and later)
 AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best wave cost
+# Cluster schedules (dimsplit: 2 CTAs per split, one CTA per SM) take the fewest splits within 5 %: on
+# 132 SMs one wave of 128 CTAs costs 3.1 % over a perfect fill in the wave model, but each split also
+# pays a fixed prologue (its Q half) and a partial write + combine read, so two waves of 264 CTAs lose.
+# H200, H8 q9 bs4 dimsplit (one run, docs/perf-notes.md): fixed 16 splits (one wave) ran 1.28 / 1.15 /
+# 1.06 / 1.02x faster than the 33 the 3 % slack picked, at 4k / 16k / 64k / 128k; bs1 is unchanged (63-66).
+AUTO_WAVE_SLACK_CLUSTER = 1.05
 
 # fill_metadata: index dtypes the kernel reads, and its tree modes (the MetaTreeMode ints of
 # include/mlagen/mla_verify_metadata.cuh).
@@ -32,12 +38,13 @@ _TREE_MODES = {"causal": _TREE_CAUSAL, "qlen_only": _TREE_QLEN, "full_mask": _TR
 
 
 @functools.lru_cache(maxsize=1024)  # called on every launch of an auto variant: compute each (units, slots) once
-def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack: float = AUTO_WAVE_SLACK) -> int:
     """Split count for ``units`` = batch x row blocks independent CTA groups on ``slots`` CTA slots.
 
     Model: every CTA of a request does 1/s of its KV, CTAs run in ceil(units*s/slots) waves, so the
     time is proportional to cost(s) = ceil(units*s/slots) / s (its floor is units/slots, reached
-    when the CTAs fill whole waves). Returns the smallest s with cost(s) <= AUTO_WAVE_SLACK x the
+    when the CTAs fill whole waves). Returns the smallest s with cost(s) <= ``slack`` (AUTO_WAVE_SLACK, or
+    AUTO_WAVE_SLACK_CLUSTER for cluster schedules) x the
     minimum over [1, max_splits]. The same wave-quantization argument as FlashAttention-2's
     num_splits heuristic; mlagen's own form. Checked against the H200 grid in docs/perf-notes.md
     (e.g. H=64 bs=4: one wave of 72 CTAs on 132 slots vs 16 splits, model 1.78x, measured 1.64-1.81x).
@@ -45,24 +52,25 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS) -> int
     Raises:
         ValueError: units, slots or max_splits < 1.
     """
-    if units < 1 or slots < 1 or max_splits < 1:
-        raise ValueError(f"auto_num_splits needs positive units, slots, max_splits; got {units}, {slots}, {max_splits}")
+    if units < 1 or slots < 1 or max_splits < 1 or not slack >= 1.0:
+        raise ValueError(f"auto_num_splits needs positive units, slots, max_splits and slack >= 1; got {units}, "
+                         f"{slots}, {max_splits}, {slack}")
     costs = [-(-units * s // slots) / s for s in range(1, max_splits + 1)]
     best = min(costs)
-    return next(s for s, c in enumerate(costs, start=1) if c <= best * AUTO_WAVE_SLACK)
+    return next(s for s, c in enumerate(costs, start=1) if c <= best * slack)
 
 
-_PREFIX_MAX: dict[tuple[int, int], list[int]] = {}
+_PREFIX_MAX: dict[tuple[int, int, float], list[int]] = {}
 
 
-def _max_request_splits(units_per_request: int, slots: int, batch_size: int) -> int:
-    """max over bs in [1, batch_size] of bs * auto_num_splits(bs * units_per_request, slots): request-splits
-    of the largest auto workspace up to ``batch_size``. Prefix maxima are kept per (units, slots), so a
-    size seen before is a list lookup and a new one costs one split count per new batch size."""
-    pm = _PREFIX_MAX.setdefault((units_per_request, slots), [0])
+def _max_request_splits(units_per_request: int, slots: int, batch_size: int, slack: float = AUTO_WAVE_SLACK) -> int:
+    """max over bs in [1, batch_size] of bs * auto_num_splits(bs * units_per_request, slots, slack=slack):
+    request-splits of the largest auto workspace up to ``batch_size``. Prefix maxima are kept per (units,
+    slots, slack), so a size seen before is a list lookup and a new one costs one split count per new size."""
+    pm = _PREFIX_MAX.setdefault((units_per_request, slots, slack), [0])
     while len(pm) <= batch_size:
         b = len(pm)
-        pm.append(max(pm[-1], b * auto_num_splits(b * units_per_request, slots)))
+        pm.append(max(pm[-1], b * auto_num_splits(b * units_per_request, slots, slack=slack)))
     return pm[batch_size]
 
 
@@ -123,11 +131,18 @@ class VerifyKernel:
         return int(getattr(self.module, "run_abi", 1)) >= 2
 
     # ---- split policy
+    @property
+    def auto_slack(self) -> float:
+        """Wave-cost slack of the auto split count: AUTO_WAVE_SLACK_CLUSTER for cluster schedules (more
+        than one CTA per split), else AUTO_WAVE_SLACK."""
+        return AUTO_WAVE_SLACK_CLUSTER if self.variant.ctas_per_row_block > 1 else AUTO_WAVE_SLACK
+
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
 
         Fixed variants return their nsplit. ``auto``: :func:`auto_num_splits` of bs * row_blocks *
-        ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on occupancy * SMs slots (whole waves), in [1, 256]; each request then spreads its
+        ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on occupancy * SMs slots (whole waves,
+        slack :attr:`auto_slack`), in [1, 256]; each request then spreads its
         tiles over those splits on the device (at least AUTO_MIN_TOKENS_PER_SPLIT tokens per
         non-empty split).
         """
@@ -142,7 +157,8 @@ class VerifyKernel:
                 if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
                 self._sm[idx] = _sm_count(dev) * occ
-        return auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx])
+        return auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx],
+                               slack=self.auto_slack)
 
     def limit_smem_per_sm(self, nbytes: int | None, device: torch.device | None = None) -> None:
         """Run the partial kernel as if an SM had only ``nbytes`` of shared memory (None: the device's own).
@@ -192,7 +208,8 @@ class VerifyKernel:
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         self.num_splits(1, dev)  # fills the device's CTA slot count, self._sm[idx]
-        return _max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n) * v.rows_max * (v.dim_v + 1)
+        return (_max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n, self.auto_slack)
+                * v.rows_max * (v.dim_v + 1))
 
     def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
         """Allocate the 1-D fp32 workspace for batches up to ``batch_size``."""

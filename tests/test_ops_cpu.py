@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 
+import mlagen.ops as ops_mod
 from mlagen.ops import VerifyKernel, auto_num_splits
 from mlagen.spec import parse_spec
 
@@ -119,6 +120,27 @@ def test_auto_num_splits_fills_whole_waves(units, slots):
         assert units * s >= min(slots, units * 256) * 0.9
 
 
+def test_cluster_schedule_takes_one_full_wave_over_two():
+    """dimsplit (2 CTAs per split, 1 CTA per SM on 132 SMs): at bs 4 the 3 % slack took 33 splits (two waves
+    of 264 CTAs); fixed 16 (one wave of 128) ran 1.02-1.28x faster on the H200. The cluster slack takes 16
+    there and keeps bs 1 at about one wave of 2-CTA splits; rowblock variants keep the 3 % slack."""
+    assert auto_num_splits(4 * 2, 132) == 33
+    assert auto_num_splits(4 * 2, 132, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER) == 16
+    assert 63 <= auto_num_splits(1 * 2, 132, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER) <= 66
+    ds = _kernel(nsplit="auto", schedule="dimsplit", row_tiles=5, block_n=32, load_width=128, stages=3)
+    ds._sm[0] = 132
+    dev = torch.device("cuda", 0)
+    assert ds.variant.ctas_per_row_block == 2 and ds.auto_slack == ops_mod.AUTO_WAVE_SLACK_CLUSTER
+    assert ds.num_splits(4, dev) == 16
+    # the workspace covers every batch size's splits under the same slack
+    for bs in range(1, 40):
+        assert ds.workspace_numel(bs, dev) >= bs * ds.num_splits(bs, dev) * ds.variant.rows_max * 513
+    rb = _kernel(nsplit="auto")
+    assert rb.auto_slack == ops_mod.AUTO_WAVE_SLACK
+    with pytest.raises(ValueError, match="slack"):
+        auto_num_splits(8, 132, slack=0.9)
+
+
 def test_auto_split_beats_one_wave_when_few_ctas_per_request():
     # H=64, bs=4, 18 row blocks on 132 SMs: one split = 72 CTAs (55 % of the slots); measured on the
     # H200 grid, 16 fixed splits ran 1.64-1.81x faster than that. The policy must not pick 1 there.
@@ -210,9 +232,9 @@ def test_workspace_numel_is_constant_time_and_exact(monkeypatch):
     calls = []
     real = ops.auto_num_splits
 
-    def counting(units, slots, max_splits=ops.MAX_SPLITS):
+    def counting(units, slots, max_splits=ops.MAX_SPLITS, slack=ops.AUTO_WAVE_SLACK):
         calls.append(units)
-        return real(units, slots, max_splits)
+        return real(units, slots, max_splits, slack)
 
     monkeypatch.setattr(ops, "auto_num_splits", counting)
     monkeypatch.setattr(ops, "_PREFIX_MAX", {}, raising=False)
