@@ -44,10 +44,11 @@ REPLAYS = int(os.environ.get("MLAGEN_SGLANG_REPLAYS", "1000"))  # the issue's ba
 ATOL, RTOL = 2e-2, 1.6e-2
 
 
-# e4m3 pools: SGLang's Triton kernels round q to e4m3 for the latent dot and P to e4m3 for P V
-# (docs/fp8-kv-cache.md); mlagen keeps both in bf16 (its error vs the exact result is the bf16 kernel's,
-# tests/test_kernel_gpu.py). So against Triton the bound is Triton's rounding: a few % of the scores.
-FP8_ATOL, FP8_RTOL = 1e-1, 1e-1
+# e4m3 pools: SGLang 0.5.23's Triton extend kernel rounds q to e4m3 for the cached-KV dot (q.to(k.dtype))
+# and P to e4m3 for P V (kernels/ops/attention/extend_attention.py:619, :703); mlagen keeps both in bf16.
+# Measured on the H200: Triton's fp8-pool output is 0.26 from mlagen's at H8. So on an fp8 pool both are
+# compared with the fp32 reference on the same bytes: mlagen within the bf16 bound above, and no further
+# from it than Triton is (plus that bound).
 
 
 def _check(ref: torch.Tensor, out: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> float:
@@ -447,8 +448,10 @@ FP8_CASES = [(role, H, ps, draft) for H in H_LIST for ps in PAGE_SIZES
 @pytest.mark.parametrize("role, H, ps, draft", FP8_CASES, ids=[f"{r}-h{h}-ps{p}-{d}" for r, h, p, d in FP8_CASES])
 def test_fp8_kv_pool_matches_triton(sgl, kernels, role, H, ps, draft):
     """--kv-cache-dtype fp8_e4m3: an e4m3 pool (uint8 storage, float8 view), dtype fp8_e4m3 variants; eager
-    and replayed against SGLang's Triton backend on the same pool (bound: Triton's e4m3 rounding of q
-    and P), the rows at out_cache_loc stored as SGLang's cast stores them, padded rows 0."""
+    and replayed beside SGLang's Triton backend on the same pool. Both are compared with the fp32
+    reference on the pool's bytes (Triton rounds q and P to e4m3, mlagen does not): mlagen within the
+    bf16 bound and no further from it than Triton; the rows at out_cache_loc stored as SGLang's cast
+    stores them, padded rows 0."""
     _parity(sgl, kernels, role, H, ps, draft, REPLAYS, kv_fp8=True)
 
 
@@ -518,15 +521,48 @@ def _check_written(runner, layer, loc, k, what):
         f"{what}: KV rows at out_cache_loc differ from k after the step"
 
 
+def _exact(runner, layer, b, role, q_len):
+    """fp32 reference of batch ``b`` on the pool after its step (mlagen.reference): the prefix is the
+    pool's e4m3 values (exact in bf16), this step's tokens are ``b.k`` in bf16 (both backends read them
+    from k), tree / chain masks from the batch's [q, q] blocks, SGLang's req_to_token as a page-1 table."""
+    from mlagen.reference import dequantize_e4m3, mla_verify_reference
+
+    buf = runner.token_to_kv_pool.kv_buffer[layer.layer_id]
+    kv = dequantize_e4m3(buf.reshape(buf.shape[0], -1)).to(torch.bfloat16)
+    kv[b.out_cache_loc] = b.k.reshape(-1, kv.shape[1])
+    spec = role == "verify"
+    tree, mask = None, "causal"
+    if spec:
+        blocks = b.qlen_mask.view(b.bs, q_len, q_len).to(torch.int64)
+        tree = (blocks << torch.arange(q_len, device=blocks.device)).sum(-1)
+        mask = "tree"
+    kv_lens = (b.seq_lens + q_len) if spec else b.seq_lens
+    out, _ = mla_verify_reference(b.q, kv, runner.req_to_token_pool.req_to_token, kv_lens.to(torch.int32),
+                                  q_len=q_len if spec else 1, page_size=1, softmax_scale=float(layer.scaling),
+                                  mask=mask, tree_mask=tree, req_pool_indices=b.rpi)
+    return out
+
+
+def _vs_exact(runner, layer, b, role, q_len, triton_out, ours_out, what):
+    """fp8 pool: (mlagen's, Triton's) max error against :func:`_exact`; mlagen within the bf16 bound and
+    no further from the exact result than Triton plus that bound."""
+    exact = _exact(runner, layer, b, role, q_len)
+    e_ours = _check(exact, ours_out, f"{what}: mlagen vs the fp32 reference")
+    e_tri = (triton_out - exact).abs().max().item()
+    assert e_ours <= e_tri + ATOL, f"{what}: mlagen {e_ours:.3g} from the fp32 reference, Triton {e_tri:.3g}"
+    return e_ours, e_tri
+
+
 def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_fp8=False):
     gen = torch.Generator().manual_seed(1000 * H + ps + (7 if draft == "chain" else 0) + (3 if fp8_checkpoint else 0)
                                         + (5 if kv_fp8 else 0))
     q_len = (Q_TREE if draft == "tree" else Q_CHAIN) if role == "verify" else 1
     mask = "causal" if (role == "decode" or draft == "chain") else "tree"
     runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint, kv_fp8)
-    tol = dict(atol=FP8_ATOL, rtol=FP8_RTOL) if kv_fp8 else {}
     tree = draft == "tree"
     errs = {"eager": 0.0, "replay": 0.0, "replay_vs_eager": 0.0}
+    if kv_fp8:  # errors against the fp32 reference (mlagen's keys) and Triton's, for the print
+        errs = {"eager": 0.0, "replay": 0.0, "triton eager": 0.0, "triton replay": 0.0, "replay_vs_eager": 0.0}
 
     # ---- eager, 1..16 requests; mlagen reads SGLang's FULL_MASK (even bs) or its QLEN_ONLY mask (odd bs:
     # what SGLang allocates for a batch past the verify-mask buffer, exactly bs * q * q cells)
@@ -543,7 +579,11 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_
                 _check_written(runner, layer, b.out_cache_loc, b.k, "eager")
         assert ours.forward_metadata is not None, "mlagen did not take the batch"
         assert ours._kernel_writes_kv(), "the launch should store the KV rows itself on a plain bf16 MLA pool"
-        errs["eager"] = max(errs["eager"], _check(outs[0], outs[1], "eager", **tol))
+        if kv_fp8:
+            e, t = _vs_exact(runner, layer, b, role, q_len, outs[0], outs[1], f"eager bs {bs}")
+            errs["eager"], errs["triton eager"] = max(errs["eager"], e), max(errs["triton eager"], t)
+        else:
+            errs["eager"] = max(errs["eager"], _check(outs[0], outs[1], "eager"))
 
     # ---- CUDA graphs: static buffers like the decode runner's, capture per bucket
     per = q_len if role == "verify" else 1
@@ -620,7 +660,12 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_
             if name == "ours":
                 _check_written(runner, layer, b.out_cache_loc, b.k, f"replay {it}")
         n_pad_seen += bs - raw
-        err = _check(outs["ref"][:T_raw], outs["ours"][:T_raw], f"replay {it}: raw bs {raw} (bucket {bs})", **tol)
+        if kv_fp8:
+            err, t = _vs_exact(runner, layer, b, role, q_len, outs["ref"][:T_raw], outs["ours"][:T_raw],
+                               f"replay {it}: raw bs {raw} (bucket {bs})")
+            errs["triton replay"] = max(errs["triton replay"], t)
+        else:
+            err = _check(outs["ref"][:T_raw], outs["ours"][:T_raw], f"replay {it}: raw bs {raw} (bucket {bs})")
         errs["replay"] = max(errs["replay"], err)
         if bs > raw:
             assert outs["ours"][T_raw:T].abs().max().item() == 0.0, "padded rows must output 0"
