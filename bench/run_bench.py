@@ -272,17 +272,18 @@ def _measure_shape(shape, kernels, ceil, ok_sgl, fi_cols=(), fi_smem=SM120_SMEM_
         row.update(_measure_fi(p, [k for k in cands if k.variant.uri == best_uri][0], fi_cols, fi_smem))
     f8 = kernels.get((H, q, ps, "fp8_e4m3"))
     if f8:
-        row.update(_measure_fp8(p, f8, times, ceil))
+        row.update(_measure_fp8(p, f8, times, ceil, sglang=ok_sgl and q > 1))
     del p
     torch.cuda.empty_cache()
     return row, sweep
 
 
-def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict) -> dict:
+def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, sglang: bool = False) -> dict:
     """fp8 columns of a row: the fastest verified e4m3 variant on ``p`` with its KV cast to e4m3, its ratio
     to the fastest bf16 dimsplit candidate of the same row (the issue's "same schedule"), its fraction of the
-    fp8 floor (KV bytes halved), and max |fp8 - bf16 dimsplit on the dequantized values| (0 expected: the
-    conversion is exact)."""
+    fp8 floor (KV bytes halved). ``sglang``: also SGLang's Triton verify kernel (``extend_attention_fwd``)
+    on the same e4m3 pool, µs, and the max |Triton - fp32 reference| and |mlagen - fp32 reference| on it
+    (Triton rounds q and P to e4m3; mlagen keeps them bf16)."""
     H, q, bs, ctx = p["H"], p["q_len"], p["bs"], p["ctx"]
     pf = fp8_problem(p)
     times = {k.variant.uri: time_mlagen(pf, k) for k in ks if k.variant.nsplit == "auto"}
@@ -294,6 +295,21 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict) 
     ds = {u: t for u, t in bf16_times.items() if "_dimsplit_" in u}
     if ds:
         res["fp8_over_bf16_dimsplit"] = us / min(ds.values())
+    if sglang:
+        try:
+            exact = sgl.reference_verify(pf)
+            tri = sgl.run_extend_verify(pf)
+            mine = torch.empty_like(tri)
+            k_best = [k for k in ks if k.variant.uri == uri][0]
+            P = pf["page_size"]
+            table = pf["req_to_token"] if P == 1 else (pf["req_to_token"][:, ::P] // P).contiguous()
+            k_best(pf["q"], pf["kv_cache"], table, pf["kv_lens"], q_len=pf["q_len"],
+                   softmax_scale=pf["softmax_scale"], tree_mask=pf["tree_mask"], out=mine)
+            res.update(fp8_sglang_verify_us=sgl.time_extend_verify(pf),
+                       fp8_sglang_err=float((tri.float() - exact).abs().max()),
+                       fp8_mlagen_err=float((mine.float() - exact).abs().max()))
+        except Exception as e:  # noqa: BLE001 — report, never fake
+            res["fp8_sglang_error"] = f"{type(e).__name__}: {e}"
     del pf
     return res
 
@@ -541,6 +557,12 @@ def _fmt(r: dict) -> str:
         s += (f" | fp8 {_tile(r['fp8_uri'])} {r['fp8_us']:7.1f} us"
               + (f" ({r['fp8_over_bf16_dimsplit']:.2f}x bf16 dimsplit)" if "fp8_over_bf16_dimsplit" in r else "")
               + f" {r['fp8_frac_floor']:.2f} of fp8 floor ({r['fp8_floor_us']:.1f} us)")
+        if "fp8_sglang_verify_us" in r:
+            s += (f" | triton fp8 verify {r['fp8_sglang_verify_us']:9.1f} us "
+                  f"({r['fp8_sglang_verify_us'] / r['fp8_us']:6.1f}x), max err vs fp32 ref triton "
+                  f"{r['fp8_sglang_err']:.3g} mlagen {r['fp8_mlagen_err']:.3g}")
+        elif "fp8_sglang_error" in r:
+            s += f" | triton fp8: {r['fp8_sglang_error'][:80]}"
     if "auto_over_best_fixed" in r:
         s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
     if "max_abs_diff_vs_sglang" in r:

@@ -324,8 +324,8 @@ def _dense_tree(p: dict):
 
 
 def _problem_bytes(p: dict) -> int:
-    """Bytes one call reads/writes at minimum: KV once + q + out."""
-    return (p["bs"] * p["ctx"] * D_QK * 2 + p["q"].numel() * 2
+    """Bytes one call reads/writes at minimum: KV once (2 bytes per value, 1 for an e4m3 pool) + q + out."""
+    return (p["bs"] * p["ctx"] * D_QK * p["kv_cache"].element_size() + p["q"].numel() * 2
             + p["bs"] * p["q_len"] * p["H"] * D_V * 2)
 
 
@@ -358,8 +358,9 @@ def _extend_args(p: dict):
 
     # the draft tokens' own KV (already written to the pool by set_kv_buffer);
     # forward_extend passes k.contiguous(), v.contiguous()
+    # (an e4m3 pool: the layer's k is bf16 — the draft rows' e4m3 values, exact in bf16)
     draft_slots = r2t[:, prefix:].reshape(-1)
-    k_extend = p["kv_cache"][draft_slots].view(T, 1, D_QK).contiguous()
+    k_extend = p["kv_cache"][draft_slots].view(T, 1, D_QK).to(torch.bfloat16).contiguous()
     v_extend = k_extend[..., :D_V].contiguous()
 
     qo_indptr = torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=dev)
@@ -391,7 +392,7 @@ def _extend_args(p: dict):
         True,            # is_causal (forward_extend's `causal`; the custom mask wins)
         mask_indptr,     # int64 [bs+1]
         q_len,           # max_len_extend
-        1.0,             # k_scale (k_descale, bf16 cache)
+        1.0,             # k_scale (k_descale: bf16 cache, or an e4m3 one without KV scales)
         1.0,             # v_scale
     )
     kwargs = dict(

@@ -402,3 +402,33 @@ def test_fp8_sweep_columns_and_problem():
              fp8_over_bf16_dimsplit=70.0 / 84.0, fp8_frac_floor=0.13, fp8_floor_us=9.1)
     text = run_bench._fmt(r)
     assert "| fp8 lw128_bn32_w8_rt5_st3_dimsplit_fp8    70.0 us (0.83x bf16 dimsplit) 0.13 of fp8 floor (9.1 us)" in text
+
+
+def test_fp8_triton_column_and_extend_args():
+    """--fp8 with SGLang: Triton's verify kernel gets the e4m3 pool as its k/v buffers and the draft rows'
+    values in bf16 as k_extend (the layer's k is bf16); the copies rotate the pool's real bytes; the row
+    text carries Triton's fp8 time and both errors against the fp32 reference."""
+    torch = pytest.importorskip("torch")
+    import run_bench
+    import sglang_baselines as sgl
+    from mlagen.spec import parse_spec
+
+    p = sgl.make_problem(8, 3, 2, 40, 1, seed=int(torch.randint(0, 1000, (1,))), device="cpu")
+    pf = run_bench.fp8_problem(p)
+    args, _kw, _o = sgl._extend_args(pf)
+    k_extend, k_buffer = args[1], args[4]
+    assert k_buffer.dtype == torch.float8_e4m3fn and k_extend.dtype == torch.bfloat16
+    slots = pf["req_to_token"][:, 40 - 3:].reshape(-1).long()
+    assert torch.equal(k_extend.reshape(-1, 576), pf["kv_cache"][slots].to(torch.bfloat16))
+    assert sgl._problem_bytes(p) - sgl._problem_bytes(pf) == 2 * 40 * 576
+    (v,) = [v for v in parse_spec(run_bench.fp8_tuning_spec(8, 9, 1)).variants() if v.stages == 3]
+    r = dict(H=8, q_len=9, bs=1, ctx=65536, page_size=1, mlagen_uri=v.uri.replace("fp8e4m3", "bf16"),
+             mlagen_us=84.0, gbs=900.0, frac_floor=0.21, floor_us=18.1, fp8_uri=v.uri, fp8_us=90.0,
+             fp8_frac_floor=0.18, fp8_floor_us=15.9, fp8_sglang_verify_us=9000.0, fp8_sglang_err=0.25,
+             fp8_mlagen_err=0.004)
+    text = run_bench._fmt(r)
+    assert "triton fp8 verify    9000.0 us ( 100.0x), max err vs fp32 ref triton 0.25 mlagen 0.004" in text
+    r2 = dict(r, fp8_sglang_error="RuntimeError: no fp8")
+    for k in ("fp8_sglang_verify_us", "fp8_sglang_err", "fp8_mlagen_err"):
+        r2.pop(k)
+    assert "triton fp8: RuntimeError: no fp8" in run_bench._fmt(r2)

@@ -9,7 +9,8 @@
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
 #   release2 (2 GPUs): KERNELS=globs MEMCHECK_URIS=.. SGLang backend test + backend_step + memcheck on GPU 0, the
 #         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
-#   fp8: [KERNELS=globs FP8_URI=..] the fp8_e4m3 / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8) ≈ 6-8 min.
+#   fp8: [KERNELS=globs FP8_URI=.. SGL=1] the fp8_e4m3 / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8;
+#         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -96,7 +97,8 @@ elif [ "$MODE" = fp8 ]; then
   grep -E "passed|failed|Error|assert" "$OUT/pytest_fp8.log" | tail -12
   FP8_URI=${FP8_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_fp8e4m3_sm120_sm90}
   step memcheck_fp8 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$FP8_URI" 0 0 quick
-  step bench_fp8 "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 --skip-sglang \
+  step bench_fp8 "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 \
+    $([ "${SGL:-0}" = 1 ] || echo --skip-sglang) \
     --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
   grep -E "^H=|tiles:|built|failed|Error" "$OUT/bench_fp8.log" | tail -30
 elif [ "$MODE" = ablate ]; then
