@@ -219,6 +219,9 @@ def main() -> int:
                     be.init_forward_metadata(fb)
                     return T._forward(be, layer, fb, b.q, b.k, "verify")
                 outs[name] = eager().float()
+                for _ in range(10):  # warm the host path (allocator, caches, the interpreter's specializations)
+                    eager()
+                torch.cuda.synchronize()
                 # each eager step starts on an idle GPU; its time varies with the host (scheduling, clocks),
                 # so the median of --reps steps, with the quartiles printed beside it
                 ts = events_times_us(eager, a.reps)
