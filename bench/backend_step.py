@@ -224,12 +224,12 @@ def main() -> int:
                 torch.cuda.synchronize()
                 # each eager step starts on an idle GPU; its time varies with the host (scheduling, clocks),
                 # so the median of --reps steps, with the quartiles printed beside it
-                ts = events_times_us(eager, a.reps)
+                ts = events_times_us(eager, max(4, a.reps))
                 res[name + "_eager"] = statistics.median(ts)
                 q1, _, q3 = statistics.quantiles(ts, n=4)
                 res[name + "_eager_iqr"] = f"{q1:.0f}-{q3:.0f}"
                 # the eager step's GPU time with the host hidden (~1 ms of sleep queued ahead of it)
-                res[name + "_eager_gpu"] = events_median_us(eager, a.reps, hide_host_cycles=2_000_000)
+                res[name + "_eager_gpu"] = events_median_us(eager, max(4, a.reps), hide_host_cycles=2_000_000)
                 if a.timeline:
                     try:
                         _timeline(eager, f"{name} eager step, bs {bs} ctx {ctx}")

@@ -158,7 +158,7 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             (extend_attention.py:646 / :713, decode_attention.py:1305 / :1016; docs/fp8-kv-cache.md).
             Only rows of visible positions (< kv_len) are read: NaN bytes elsewhere never matter.
         with_magnitude: also return P |V| (fp32, out's shape): the scale of each output element's rounding
-            error (bf16 P and bf16 out each round relative to it), which the tolerance of
+            error (bf16 P and bf16 out each round by at most 2^-8 of it), which the tolerance of
             :func:`mlagen.verify.compare` grows with (fp8 rows at +-448 give outputs in the hundreds).
     Returns:
         out fp32 [bs*q_len, H, kv_lora_rank], lse fp32 [bs*q_len, H] (natural log of the scaled scores;

@@ -245,7 +245,8 @@ def test_auto_split_fills_whole_waves(kernels):
     occ = k.module.max_active_ctas_per_sm()
     for bs in (1, 4, 16, 64):
         n = k.num_splits(bs)
-        assert n == auto_num_splits(bs * k.variant.row_blocks, sms * occ)
+        assert n == auto_num_splits(bs * k.variant.row_blocks * k.variant.ctas_per_row_block, sms * occ,
+                                    slack=k.auto_slack)
         units, slots = bs * k.variant.row_blocks, sms * occ
         if units <= slots:  # a single request batch fills at least 90 % of one wave
             assert units * n >= 0.9 * min(slots, units * 256)
