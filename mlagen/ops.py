@@ -50,7 +50,7 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack:
     (e.g. H=64 bs=4: one wave of 72 CTAs on 132 slots vs 16 splits, model 1.78x, measured 1.64-1.81x).
 
     Raises:
-        ValueError: units, slots or max_splits < 1.
+        ValueError: units, slots or max_splits < 1, or slack < 1 (or NaN).
     """
     if units < 1 or slots < 1 or max_splits < 1 or not slack >= 1.0:
         raise ValueError(f"auto_num_splits needs positive units, slots, max_splits and slack >= 1; got {units}, "
