@@ -11,6 +11,8 @@
 #         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
 #   fp8: [KERNELS=globs FP8_URI=.. SGL=1] the fp8_e4m3 / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8;
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
+#   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
+#         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
 #   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -101,6 +103,20 @@ elif [ "$MODE" = fp8 ]; then
     $([ "${SGL:-0}" = 1 ] || echo --skip-sglang) \
     --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
   grep -E "^H=|tiles:|built|failed|Error" "$OUT/bench_fp8.log" | tail -30
+elif [ "$MODE" = consumers ]; then
+  # where the dimsplit kernel's issue slots go at 64k bs1 (ncu: instruction mix per pipe, warp states, and
+  # per-SASS-instruction counters of the hot loop; the report itself stays in $OUT for the ncu GUI)
+  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_bf16_sm120_sm90}
+  python3 tools/device_profile.py "$URI" 65536 1 > "$OUT/prof_build.log" 2>&1
+  # sections only (their metric names are ncu's own on every arch) plus the two metrics device_probe.sh uses
+  P="smsp__issue_active.avg.per_cycle_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"
+  step ncu_mix "${NCU_LIMIT:-240}" ncu --clock-control none --kernel-name regex:dimsplit --launch-skip 2 --launch-count 1 \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section SourceCounters \
+    --metrics "$P" \
+    --export "$OUT/consumers" python3 tools/device_profile.py "$URI" 65536 1
+  grep -E "issue_active|tensor|Pipe|Warp Cycles|Stall|Executed Ipc|Instructions" "$OUT/ncu_mix.log" | sed 's/  */ /g' | head -40
+  step ncu_sass 120 ncu --import "$OUT/consumers.ncu-rep" --page source --print-source sass --csv
+  mv "$OUT/ncu_sass.log" "$OUT/sass_counters.csv" 2>/dev/null
 elif [ "$MODE" = ablate ]; then
   step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
   grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -30
