@@ -560,15 +560,15 @@ class VerifyKernel:
     def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int,
                     new_kv: tuple = ()) -> None:
         lse_args = (lse.data_ptr(), lse.stride(0)) if lse is not None else (0, 0)
-        if self.has_new_kv:
-            self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
-                            out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *(new_kv or _NO_NEW_KV), *tail,
-                            float(softmax_scale), stream)
+        if self.has_new_kv:  # ABI 2: the draft-row arguments sit between lse and the batch size
+            kv_args = new_kv or _NO_NEW_KV
         elif new_kv:
             raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it")
         else:
-            self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
-                            out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *tail, float(softmax_scale), stream)
+            kv_args = ()
+        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
+                        out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *kv_args, *tail,
+                        float(softmax_scale), stream)
 
     def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
                 softmax_scale, new_kv: tuple = ()):
