@@ -189,14 +189,28 @@ def test_real_build_dimsplit_sm120_sm90(tmp_path, monkeypatch):
         assert ptxas.forbidden_in_ptx(text) == []
 
 
+def _compile_without_spills(nvcc, v, tmp_path, what: str):
+    """nvcc -c of variant ``v``'s rendered source (every arch of the variant); asserts it compiles and that
+    ptxas reports no spills and no stack for any arch. Returns the source path."""
+    import subprocess
+
+    src = tmp_path / f"{v.build_key}.cu"
+    src.write_text(codegen.render_variant(v))
+    flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
+    r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"{v.uri}: {what}:\n{r.stderr[-1500:]}"
+    for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
+        assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
+    return src
+
+
 @pytest.mark.slow
 def test_dimsplit_python_feasible_compiles_at_other_dims(tmp_path):
     """Every dimsplit variant the Python model accepts at other kv_lora_rank / qk_rope_head_dim values
     compiles (MlaDimSplitConfig's static_asserts) without spills, for sm_120 and sm_90. kv 512 with rope
     0 or 96 and load_width 128 used to be accepted in Python but failed the cp.async loader's
     32 % kRopeChunks static_assert (a division by zero for rope 0)."""
-    import subprocess
-
     from mlagen.feasibility import infeasible_reason
 
     try:
@@ -213,14 +227,7 @@ def test_dimsplit_python_feasible_compiles_at_other_dims(tmp_path):
                                num_warps=warps, schedule="dimsplit", arch=["sm_120", "sm_90"])).variants()
         if infeasible_reason(v) is not None:
             continue
-        src = tmp_path / f"{v.build_key}.cu"
-        src.write_text(codegen.render_variant(v))
-        flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
-        r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, f"{v.uri}: Python accepts it, nvcc does not:\n{r.stderr[-1500:]}"
-        for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
-            assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
+        _compile_without_spills(nvcc, v, tmp_path, "Python accepts it, nvcc does not")
         built += 1
     assert built >= 3
 
@@ -240,14 +247,7 @@ def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
                 row_tiles=5, mask="tree", schedule="dimsplit", arch=["sm_120", "sm_90"])
     for extra in (dict(dtype="fp8_e4m3", num_warps=8), dict(num_warps=7)):
         (v,) = parse_spec(dict(base, **extra)).variants()
-        src = tmp_path / f"{v.build_key}.cu"
-        src.write_text(codegen.render_variant(v))
-        flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
-        r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-1500:]}"
-        for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
-            assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
+        src = _compile_without_spills(nvcc, v, tmp_path, "nvcc refuses it")
         ptx_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}",
                      *ninja_gen.python_includes(), "-arch=compute_90", "-ptx"]
         ptx = subprocess.run([nvcc, *ptx_flags, str(src), "-o", "-"], capture_output=True, text=True)
