@@ -76,19 +76,27 @@ def events_median_us(fn, reps: int, hide_host_cycles: int = 0) -> float:
     return statistics.median(events_times_us(fn, reps, hide_host_cycles))
 
 
-def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
-    """Median µs per launch: capture all ``launches`` (callables) in one CUDA graph, replay it."""
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``fn()``: run once on a side stream first (module load, shared-memory attribute,
+    allocator warm-up, as torch's capture requires), then captured on the current device."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for f in launches:  # warm: module load, smem attribute
-            f()
+        fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
+    """Median µs per launch: capture all ``launches`` (callables) in one CUDA graph, replay it."""
+    def all_launches():
         for f in launches:
             f()
+    g = capture_graph(all_launches)
     for _ in range(warmup):
         g.replay()
     return events_median_us(g.replay, replays) / len(launches)

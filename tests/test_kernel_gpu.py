@@ -194,14 +194,9 @@ def test_graph_replay_matches_eager(kernels):
     def run():
         k(p.q, p.kv_cache, p.block_table, lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    from mlagen.bench import capture_graph
+
+    g = capture_graph(run)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     for it in range(50):
         new = torch.randint(0, 3001, (bs,), generator=gen)

@@ -141,14 +141,9 @@ def test_new_kv_graph_replay(kernels):
         k(p.q, test_pool, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, k_new=k_buf, kv_write_loc=loc_buf,
           **p.kernel_args())
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    from mlagen.bench import capture_graph
+
+    g = capture_graph(run)
     for _ in range(5):
         k_buf.copy_(torch.randn_like(k_buf, dtype=torch.float32).to(torch.bfloat16))
         test_pool[loc] = float("nan")
