@@ -36,9 +36,9 @@ from mlagen.roofline import verify_bytes, verify_flops  # noqa: E402
 from mlagen.build import build  # noqa: E402
 from mlagen.ops import SM120_SMEM_PER_SM, VerifyKernel  # noqa: E402
 from mlagen.registry import Registry  # noqa: E402
-from mlagen.spec import parse_spec  # noqa: E402
+from mlagen.spec import Variant, parse_spec  # noqa: E402
 from mlagen.verify import summarize, verify_kernel  # noqa: E402
-from mlagen.feasibility import dimsplit_row_tiles  # noqa: E402
+from mlagen.feasibility import DIMSPLIT_T_OUT_WARPS, dimsplit_row_tiles, dimsplit_t_row_tiles  # noqa: E402
 
 # (H, q_len, bs, ctx, page_size)
 SMALL = ([(8, 9, bs, c, ps) for ps in (1, 64) for bs in (1, 4) for c in (4096, 16384, 65536, 131072)]
@@ -62,6 +62,15 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
                 num_warps=sorted({4, 8, 16, dimsplit_row_tiles(rows) + 2}), overlap=[0, 1],
                 schedule=["rowblock", "dimsplit"],
                 load_width=["bulk", 128])  # rowblock: bulk beat 128-bit cp.async at every H200 grid shape
+
+
+def dimsplit_t_tuning_spec(H: int, q_len: int, ps: int) -> dict:
+    """The dimsplit_t tiles of a bucket (built beside :func:`tuning_spec`'s): score warps of 24 rows, 4
+    output warps and a producer, cp.async loader, block_n 32; stages 2 and 3 (4 exceeds sm_120's 99 KB)."""
+    rt = dimsplit_t_row_tiles(H * q_len)
+    return dict(name=f"bench_dst_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
+                mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=32, stages=[2, 3],
+                row_tiles=rt, num_warps=rt + DIMSPLIT_T_OUT_WARPS + 1, schedule="dimsplit_t", load_width=128)
 
 
 def fp8_tuning_spec(H: int, q_len: int, ps: int) -> dict:
@@ -139,13 +148,18 @@ def _build_buckets(buckets, a) -> dict:
     e4m3 sweep (key (H, q_len, page_size, "fp8_e4m3")); failures printed."""
     reports = {}
     for H, q, ps in buckets:
-        specs = [((H, q, ps), tuning_spec(H, q, ps), a.kernels)]
+        specs = [((H, q, ps), tuning_spec(H, q, ps), a.kernels), ((H, q, ps), dimsplit_t_tuning_spec(H, q, ps), a.kernels)]
         if getattr(a, "fp8", False):
             specs.append(((H, q, ps, "fp8_e4m3"), fp8_tuning_spec(H, q, ps), None))
         for key, spec, glob in specs:
-            reports[key] = rep = build(parse_spec(spec), kernels=glob, jobs=a.jobs)
+            rep = build(parse_spec(spec), kernels=glob, jobs=a.jobs)
             for v, m in rep.failed:
                 print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
+            if key in reports:  # a bucket's second sweep (dimsplit_t): one report per bucket
+                reports[key].built.extend(rep.built)
+                reports[key].failed.extend(rep.failed)
+            else:
+                reports[key] = rep
     return reports
 
 
@@ -292,7 +306,7 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
     nbytes = verify_bytes(H, q, bs, ctx, kv_bytes=1)
     floor = max(nbytes / (ceil["copy_gbs"] * 1e3), verify_flops(H, q, bs, ctx) / (ceil["mma_tflops"] * 1e6))
     res = dict(fp8_uri=uri, fp8_us=us, fp8_floor_us=floor, fp8_frac_floor=floor / us, fp8_candidates=times)
-    ds = {u: t for u, t in bf16_times.items() if "_dimsplit_" in u}
+    ds = {u: t for u, t in bf16_times.items() if Variant.from_uri(u).schedule == "dimsplit"}
     if ds:
         res["fp8_over_bf16_dimsplit"] = us / min(ds.values())
     if sglang:
@@ -533,11 +547,9 @@ def _kernels_arg(text: str) -> str:
 
 def _tile(uri: str) -> str:
     """The tuning part of a uri: load width, block_n, warps, row tiles, stages, overlap, schedule."""
-    from mlagen.spec import Variant
-
     v = Variant.from_uri(uri)
     return (f"lw{v.load_width}_bn{v.block_n}_w{v.num_warps}_rt{v.row_tiles}_st{v.stages}"
-            f"{'_ov1' if v.overlap else ''}{'_dimsplit' if v.schedule == 'dimsplit' else ''}"
+            f"{'_ov1' if v.overlap else ''}{'_' + v.schedule if v.schedule != 'rowblock' else ''}"
             f"{'_fp8' if v.dtype == 'fp8_e4m3' else ''}")
 
 

@@ -27,6 +27,20 @@ def dimsplit_row_tiles(rows_max: int) -> int:
     return -(-m_tiles // clusters)
 
 
+DIMSPLIT_T_ROWS_PER_SCORE_WARP = 24  # dimsplit_t: a score warp holds 3 n8 row tiles of Q (MlaDimSplitTConfig)
+DIMSPLIT_T_MAX_SCORE_WARPS = 3  # 72 rows: the output warps' O^T (64 dims x 72 rows) is 144 registers
+DIMSPLIT_T_OUT_WARPS = 4
+
+
+def dimsplit_t_row_tiles(rows_max: int) -> int:
+    """Score warps (24 rows each) per cluster for the dimsplit_t schedule: the fewest clusters of at most
+    72 rows that cover ``rows_max`` = H x q_len, balanced (H=8 q9: 72 rows -> 1 cluster of 3; H=8 q1: 8 ->
+    1 of 1; H=16 q9: 144 -> 2 of 3)."""
+    warps = -(-rows_max // DIMSPLIT_T_ROWS_PER_SCORE_WARP)
+    clusters = -(-warps // DIMSPLIT_T_MAX_SCORE_WARPS)
+    return -(-warps // clusters)
+
+
 def dimsplit_pairs(v: Variant) -> bool:
     """Whether a dimsplit variant runs two consumer warps per row tile (num_warps = 2 x row_tiles + 1;
     MlaDimSplitConfig::kPairs): each scores 8 of a sub-tile's 16 tokens and owns 128 of the CTA's 256
@@ -49,9 +63,20 @@ class Resources:
 
 
 def resources(v: Variant) -> Resources:
-    """Shared memory and register-tile sizes of ``v``, computed as the C++ MlaVerifyConfig (rowblock)
-    or MlaDimSplitConfig (dimsplit) does."""
+    """Shared memory and register-tile sizes of ``v``, computed as the C++ MlaVerifyConfig (rowblock),
+    MlaDimSplitConfig (dimsplit) or MlaDimSplitTConfig (dimsplit_t; regs_q / regs_s: a score warp's Q and
+    scores, regs_o: an output warp's O^T) does."""
     dim_qk, dim_v = v.dim_qk, v.dim_v
+    if v.schedule == "dimsplit_t":
+        dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2
+        rows = DIMSPLIT_T_ROWS_PER_SCORE_WARP * v.row_tiles
+        smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
+        smem_xchg = 4 * v.row_tiles * 3 * 32 * 4 * 4  # [4 buffers][score warps][3 n8 tiles][32 lanes][4 floats]
+        p_row = rows if (rows * 2 // 16) % 2 else rows + 8
+        smem_p = 3 * 16 * p_row * 2 + 3 * rows * 4 + rows * 4  # P^T buffers, rescale factors, row sums
+        smem_bars = (2 * v.stages + 4 * v.row_tiles + 2 * 3) * 8
+        return Resources(smem_kv + smem_xchg + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * 3 * 4,
+                         v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
         dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2
         pairs = dimsplit_pairs(v)
@@ -92,6 +117,8 @@ def infeasible_reason(v: Variant) -> str | None:
     """Why ``v`` cannot be built for all of its archs, or None when it can."""
     if v.schedule == "dimsplit":
         return _dimsplit_reason(v)
+    if v.schedule == "dimsplit_t":
+        return _dimsplit_t_reason(v)
     if v.dtype != "bf16":
         return f"dtype {v.dtype} (KV cache) needs schedule dimsplit (its converter warps dequantize the stages)"
     if v.num_warps not in ROWBLOCK_WARPS:
@@ -175,6 +202,35 @@ def _dimsplit_reason(v: Variant) -> str | None:
     if r.regs_tiles > DIMSPLIT_REG_TILE_LIMIT:
         return (f"register tiles {r.regs_tiles} words/thread > {DIMSPLIT_REG_TILE_LIMIT} "
                 f"(Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill")
+    return None
+
+
+def _dimsplit_t_reason(v: Variant) -> str | None:
+    """Why a dimsplit_t variant cannot be built (the rules of MlaDimSplitTConfig's static_asserts)."""
+    if v.dtype != "bf16":
+        return f"schedule dimsplit_t reads a bf16 KV cache (fp8_e4m3: schedule dimsplit), got dtype {v.dtype}"
+    if v.load_width != 128:
+        return f"schedule dimsplit_t loads with 16-byte cp.async: load_width must be 128, got {v.load_width}"
+    if v.kv_lora_rank != 512 or v.qk_rope_head_dim != 64:
+        return ("schedule dimsplit_t needs kv_lora_rank 512 and qk_rope_head_dim 64 (a 512-byte latent half per "
+                "producer instruction, 64 output dims per output warp)")
+    if v.overlap:
+        return "schedule dimsplit_t overlaps loads and math by itself: overlap must be 0"
+    if v.block_n != 32:
+        return f"schedule dimsplit_t: block_n must be 32 (stages of 32 tokens, consumed 16 at a time), got {v.block_n}"
+    want = dimsplit_t_row_tiles(v.rows_max)
+    if v.row_tiles != want:
+        return (f"schedule dimsplit_t covers {v.rows_max} rows with clusters of {want} score warps of "
+                f"{DIMSPLIT_T_ROWS_PER_SCORE_WARP} rows (at most {DIMSPLIT_T_MAX_SCORE_WARPS}): row_tiles must be "
+                f"{want}, got {v.row_tiles}")
+    warps = v.row_tiles + DIMSPLIT_T_OUT_WARPS + 1
+    if v.num_warps != warps:
+        return (f"schedule dimsplit_t runs row_tiles score warps, {DIMSPLIT_T_OUT_WARPS} output warps and a producer: "
+                f"num_warps must be {warps}, got {v.num_warps}")
+    r = resources(v)
+    for arch in v.archs:
+        if r.smem_bytes > SMEM_LIMIT[arch]:
+            return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
     return None
 
 

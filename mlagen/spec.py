@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from mlagen.tables import ARCHS, DTYPES, MASKS, SCHEDULES
+from mlagen.tables import ARCHS, CLUSTER_SCHEDULES, DTYPES, MASKS, SCHEDULES
 
 
 class SpecError(ValueError):
@@ -87,11 +87,11 @@ PARAMS: dict[str, Param] = {
         Param("nsplit", int, lo=1, hi=256, default="auto", extra=("auto",)),
         Param("load_width", int, allowed=(32, 64, 128), default=128, extra=("bulk",)),  # bits per cp.async, or one cp.async.bulk per token row
         Param("block_n", int, allowed=(16, 32, 64), default=16),
-        Param("num_warps", int, lo=2, hi=16, default=8),  # rowblock: 4, 8, 16; dimsplit: row_tiles + 1 .. 8, or 2 x row_tiles + 1
+        Param("num_warps", int, lo=2, hi=16, default=8),  # rowblock: 4, 8, 16; dimsplit: row_tiles + 1 .. 8, or 2 x row_tiles + 1; dimsplit_t: row_tiles + 5
         Param("row_tiles", int, lo=1, hi=8, default=2),
         Param("stages", int, lo=2, hi=6, default=3),
         Param("overlap", int, allowed=(0, 1), default=0),  # 1: scores of tile t+1 overlap P V of tile t (bulk only)
-        Param("schedule", str, allowed=tuple(SCHEDULES), default="rowblock"),  # dimsplit: 2-CTA cluster, KV read once per split
+        Param("schedule", str, allowed=tuple(SCHEDULES), default="rowblock"),  # dimsplit(_t): 2-CTA cluster, KV read once per split
         Param("mask", str, allowed=tuple(MASKS), default="tree"),
         Param("dtype", str, allowed=tuple(DTYPES), default="bf16"),
     ]
@@ -105,7 +105,7 @@ DEFAULT_ARCHS = ("sm_120", "sm_90")
 _DTYPE_OF_TOKEN = {tok: name for name, (_, tok) in DTYPES.items()}  # uri token -> spec dtype
 _URI_RE = __import__("re").compile(
     r"(?P<kernel>mla_verify)_h(?P<h>\d+)_q(?P<q>\d+)_kv(?P<kv>\d+)_rope(?P<rope>\d+)_ps(?P<ps>\d+)"
-    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?(?:_(?P<sched>dimsplit))?"
+    r"_ns(?P<ns>\d+|auto)_lw(?P<lw>\d+|bulk)_bn(?P<bn>\d+)_w(?P<w>\d+)_rt(?P<rt>\d+)_st(?P<st>\d+)(?:_ov(?P<ov>1))?(?:_(?P<sched>dimsplit_t|dimsplit))?"
     r"_(?P<mask>none|causal|tree)_(?P<dtype>bf16|fp8e4m3)_(?P<archs>sm\d+(?:_sm\d+)*)"
 )
 
@@ -130,7 +130,7 @@ class Variant:
     archs: tuple[str, ...]
     kernel: str = "mla_verify"
     overlap: int = 0  # 1 only with load_width bulk; in the uri as _ov1 (absent = 0)
-    schedule: str = "rowblock"  # in the uri as _dimsplit (absent = rowblock)
+    schedule: str = "rowblock"  # in the uri as _dimsplit / _dimsplit_t (absent = rowblock)
 
     @property
     def uri(self) -> str:
@@ -171,7 +171,9 @@ class Variant:
 
     @property
     def rows_per_cta(self) -> int:
-        return 16 * self.row_tiles
+        """(token, head) rows of one row block: m16 tiles (rowblock, dimsplit), or 24-row score warps
+        (dimsplit_t: 3 n8 tiles each)."""
+        return (24 if self.schedule == "dimsplit_t" else 16) * self.row_tiles
 
     @property
     def row_blocks(self) -> int:
@@ -179,8 +181,8 @@ class Variant:
 
     @property
     def ctas_per_row_block(self) -> int:
-        """CTAs that share one (row block, split, request): 2 for dimsplit (a cluster), else 1."""
-        return 2 if self.schedule == "dimsplit" else 1
+        """CTAs that share one (row block, split, request): 2 for dimsplit / dimsplit_t (a cluster), else 1."""
+        return 2 if self.schedule in CLUSTER_SCHEDULES else 1
 
     def spec_dict(self, name: str = "variant") -> dict:
         """A spec mapping (see :func:`parse_spec`) whose only variant is this one."""

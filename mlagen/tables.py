@@ -14,10 +14,16 @@ MASKS = {
 SCHEDULES = {
     # spec value: uri token ("" = absent from the uri, the default). rowblock: row-block CTAs, each
     # reads its split's KV (mla_verify_partial.cuh); dimsplit: a two-CTA cluster splits the 576 dims
-    # and reads the KV once per split (mla_verify_dimsplit.cuh).
+    # and reads the KV once per split (mla_verify_dimsplit.cuh); dimsplit_t: the same cluster with the
+    # MMAs transposed (tokens / output dims as M, rows as N) and separate score and output warps
+    # (mla_verify_dimsplit_t.cuh).
     "rowblock": "",
     "dimsplit": "dimsplit",
+    "dimsplit_t": "dimsplit_t",
 }
+
+# Schedules that run a two-CTA cluster per (row block, split, request) and read the KV once per split.
+CLUSTER_SCHEDULES = ("dimsplit", "dimsplit_t")
 
 DTYPES = {
     # spec value (the KV cache's dtype; q and out are bf16): (C++ KV element type, uri token)

@@ -341,7 +341,7 @@ def test_run_sharded_merges_only_this_runs_shards_on_the_visible_gpus(tmp_path, 
     import run_bench
 
     grid = run_bench.FULL[:6]
-    monkeypatch.setattr(run_bench, "build", lambda *a, **k: types.SimpleNamespace(failed=[]))
+    monkeypatch.setattr(run_bench, "build", lambda *a, **k: types.SimpleNamespace(built=[], failed=[]))
     monkeypatch.setattr(run_bench, "_versions", lambda: dict(device="fake"))
     finished = []
     monkeypatch.setattr(run_bench, "_finish", lambda rec, out: finished.append(rec))

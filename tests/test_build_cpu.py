@@ -255,3 +255,40 @@ def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
         assert ptxas.forbidden_in_ptx(ptx.stdout) == []
         if v.dtype == "fp8_e4m3":
             assert "cvt.rn.f16x2.e4m3x2" in ptx.stdout and "cvt.rn.satfinite.e4m3x2" in ptx.stdout
+
+
+@pytest.mark.slow
+def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_path):
+    """The dimsplit_t schedule (S^T = K Q^T in score warps, O^T = V^T P^T in output warps) compiles for
+    sm_120 and sm_90 with no spills and only the allowed instructions, at H8 q9 (3 score warps, 72 rows)
+    and q_len 1 (one score warp); its shared memory equals the Python model's (a static_assert appended
+    to the rendered source), which is what the feasibility filter drops variants by."""
+    import subprocess
+
+    from mlagen.feasibility import infeasible_reason, resources
+
+    try:
+        nvcc = ninja_gen.nvcc_path()
+    except ninja_gen.ToolchainError:
+        pytest.skip("nvcc not available")
+    base = dict(page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3, schedule="dimsplit_t",
+                arch=["sm_120", "sm_90"])
+    for extra in (dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree"),
+                  dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal")):
+        (v,) = parse_spec(dict(base, **extra)).variants()
+        assert infeasible_reason(v) is None
+        src = tmp_path / f"{v.build_key}.cu"
+        src.write_text(codegen.render_variant(v) + f"\nstatic_assert(Cfg::kSmemBytes == {resources(v).smem_bytes}, "
+                       '"the Python shared-memory model of dimsplit_t differs from MlaDimSplitTConfig");\n')
+        flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
+        r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-1500:]}"
+        for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
+            assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
+        ptx_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}",
+                     *ninja_gen.python_includes(), "-arch=compute_120", "-ptx"]
+        ptx = subprocess.run([nvcc, *ptx_flags, str(src), "-o", "-"], capture_output=True, text=True)
+        assert ptx.returncode == 0, ptx.stderr[-1500:]
+        assert ptxas.forbidden_in_ptx(ptx.stdout) == []
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx.stdout and "st.async.shared::cluster" in ptx.stdout

@@ -65,6 +65,21 @@ SPECS = {
                       schedule="dimsplit", row_tiles=2, num_warps=5, block_n=32, stages=3, load_width=128),
                  dict(name="gpu_dsp_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
                       schedule="dimsplit", row_tiles=1, num_warps=3, block_n=32, stages=3, load_width="bulk")],
+    # dimsplit_t: the dimsplit cluster with S^T = K Q^T and O^T = V^T P^T, 3 score warps of 24 rows, 4 output
+    # warps of 64 dims and a producer (H8 q9: one cluster of 72 rows)
+    "k2_dst": dict(name="gpu_k2_dst", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                   schedule="dimsplit_t", block_n=32, stages=[2, 3], row_tiles=3, num_warps=8, load_width=128,
+                   mask="tree"),
+    # dimsplit_t at other row counts: H16 (2 clusters of 72 rows), H1 q5 causal (one score warp, 5 of 24 rows
+    # live), H64 q2 no mask (128 rows: 2 clusters of 3 score warps, the second 56 rows live), q_len 1 decode
+    "dst_rows": [dict(name="gpu_dst_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
+                      schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=3, load_width=128),
+                 dict(name="gpu_dst_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
+                      schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=2, load_width=128),
+                 dict(name="gpu_dst_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
+                      schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=2, load_width=128),
+                 dict(name="gpu_dst_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
+                      schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=3, load_width=128)],
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),
@@ -121,6 +136,13 @@ def test_dimsplit_pairs_full_case_set(kernels):
         _check(k, quick=i > 0)
 
 
+def test_dimsplit_t_full_case_set(kernels):
+    ks = kernels["k2_dst"]
+    assert {(k.variant.schedule, k.variant.num_warps) for k in ks} == {("dimsplit_t", 8)} and len(ks) == 8
+    for i, k in enumerate(ks):
+        _check(k, quick=i > 0)
+
+
 def test_fp8_full_case_set(kernels):
     ks = kernels["k2_fp8"]
     assert {(k.variant.schedule, k.variant.dtype) for k in ks} == {("dimsplit", "fp8_e4m3")} and len(ks) == 8
@@ -151,7 +173,7 @@ def test_fp8_equals_bf16_on_the_dequantized_cache(kernels):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("key", ["k2_ds", "k2_dsp", "k2_ds2p"])
+@pytest.mark.parametrize("key", ["k2_ds", "k2_dsp", "k2_ds2p", "k2_dst"])
 def test_dimsplit_equals_rowblock(kernels, key):
     """Same inputs, same outputs within bf16 rounding: the two schedules sum the same products in another order."""
     from mlagen.cases import make_problem
@@ -173,7 +195,7 @@ def test_dimsplit_equals_rowblock(kernels, key):
 
 
 @pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows",
-                                 "k2_ds2p", "fp8_rows"])
+                                 "k2_ds2p", "fp8_rows", "dst_rows"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

@@ -19,6 +19,9 @@ SPECS = [
     # dimsplit with two producer warps (num_warps = row_tiles + 2)
     dict(name="gpu_newkv_ds2p", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
          schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=7, load_width=128),
+    # dimsplit_t (score and output warps; each CTA of the first cluster stores its half of the dims)
+    dict(name="gpu_newkv_dst", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
+         schedule="dimsplit_t", row_tiles=3, block_n=32, stages=3, num_warps=8, load_width=128),
     # rowblock, both loaders, paged
     dict(name="gpu_newkv_rb", heads_per_rank=8, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=1,
          block_n=32, stages=2, load_width=["bulk", 128]),
@@ -36,7 +39,7 @@ def kernels():
     from mlagen.ops import VerifyKernel
 
     ks = [VerifyKernel(b.variant, b.so_path) for spec in SPECS for b in build_variants(spec)]
-    assert len(ks) == 6 and all(k.has_new_kv for k in ks)
+    assert len(ks) == 7 and all(k.has_new_kv for k in ks)
     return ks
 
 

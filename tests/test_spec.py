@@ -270,3 +270,26 @@ def test_fp8_e4m3_at_two_row_tiles_is_one_warp_per_tile():
     assert resources(v).regs_o == 128  # a warp owns all 256 output dims of its tile
     (h64,) = parse_spec(dict(base, heads_per_rank=64, q_len=9, row_tiles=6, num_warps=8)).variants()
     assert "at most 5 row tiles" in infeasible_reason(h64)
+
+
+def test_dimsplit_t_rules_and_uri():
+    """dimsplit_t: score warps of 24 rows (the fewest clusters of <= 72 rows), num_warps = row_tiles + 5,
+    cp.async loader, block_n 32, bf16, kv 512 / rope 64; its uri round-trips and its row blocks are 24-row
+    multiples; the rowblock / dimsplit uris are unchanged."""
+    from mlagen.feasibility import dimsplit_t_row_tiles, infeasible_reason, resources
+
+    assert [dimsplit_t_row_tiles(r) for r in (1, 8, 24, 25, 72, 73, 144, 128, 576)] == [1, 1, 1, 2, 3, 2, 3, 3, 3]
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=3,
+                row_tiles=3, num_warps=8, mask="tree", schedule="dimsplit_t")
+    (v,) = parse_spec(base).variants()
+    assert v.uri.endswith("_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90") and Variant.from_uri(v.uri) == v
+    assert infeasible_reason(v) is None and v.rows_per_cta == 72 and v.row_blocks == 1 and v.ctas_per_row_block == 2
+    assert resources(v).smem_bytes <= 101376
+    (h16,) = parse_spec(dict(base, heads_per_rank=16)).variants()
+    assert infeasible_reason(h16) is None and h16.row_blocks == 2
+    for bad, text in ((dict(num_warps=7), "num_warps must be 8"), (dict(row_tiles=2), "row_tiles must be 3"),
+                      (dict(load_width="bulk"), "load_width must be 128"), (dict(block_n=16), "block_n must be 32"),
+                      (dict(dtype="fp8_e4m3", num_warps=8), "bf16 KV cache"), (dict(stages=4), "shared memory"),
+                      (dict(kv_lora_rank=256), "kv_lora_rank 512")):
+        (w,) = parse_spec(dict(base, **bad)).variants()
+        assert text in (infeasible_reason(w) or ""), (bad, infeasible_reason(w))

@@ -183,6 +183,87 @@ struct MlaDimSplitConfig {
                 "dimsplit pairs: the register file cannot hold this many warps' tiles (row_tiles <= 5)");
 };
 
+// The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
+// half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
+// +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
+// tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is loaded two
+// tiles ahead and turned into a row address only when its tile is issued, so the gather's global-load
+// latency overlaps the empty[stage] wait instead of stalling the warp once per tile.
+template <class Cfg>
+__device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
+                                                      int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
+                                                      int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
+                                                      uint64_t* empty_bar) {
+  // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
+  const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
+  auto pos_of = [&](int tile) { return tile * Cfg::kBlockN + tok_p + lane; };
+  auto from_table = [&](int pos) {  // this lane's token is a cache row found through the page table
+    return lane < Cfg::kTokensPerProducer && pos < kv_len && !(p.k_new != nullptr && pos >= prefix_len);
+  };
+  auto page_of = [&](int tile) -> int32_t {  // the page-table entry (0 when the row does not come from the table)
+    const int pos = pos_of(tile);
+    return from_table(pos) ? page_row[pos / Cfg::kPageSize] : 0;
+  };
+  auto addr_of = [&](int tile, int32_t page) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len
+    const int pos = pos_of(tile);
+    if (lane >= Cfg::kTokensPerProducer || pos >= kv_len) return kNoSlot;
+    const int64_t slot = from_table(pos) ? static_cast<int64_t>(page) * Cfg::kPageSize + pos % Cfg::kPageSize
+                                         : new_row_slot(static_cast<int64_t>(b) * p.q_len + (pos - prefix_len));
+    return reinterpret_cast<int64_t>(kv_row_src(p, slot));
+  };
+  int32_t page_next = page_of(tile_begin);
+  int32_t page_next2 = num_tiles > 1 ? page_of(tile_begin + 1) : 0;
+  for (int i = 0; i < num_tiles; ++i) {
+    const int tile = tile_begin + i;
+    const int stage = i % Cfg::kStages;
+    if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
+    const int64_t slot = addr_of(tile, page_next);
+    page_next = page_next2;
+    page_next2 = i + 2 < num_tiles ? page_of(tile + 2) : 0;
+    const int left = kv_len - tile * Cfg::kBlockN;
+    const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
+    __nv_bfloat16* dst_stage = kv_smem + stage * Cfg::kStageElems;
+    if constexpr (Cfg::kBulkLoad) {
+      const bool copy = !(kAblate & kAblateLoads);
+      if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, copy ? static_cast<uint32_t>(valid) * Cfg::kTokenBytes : 0u);
+      __syncwarp();
+      if (copy && lane < valid) {
+        __nv_bfloat16* dst = dst_stage + lane * Cfg::kKvRowElems;
+        const __nv_bfloat16* src = row_at(slot);
+        ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
+        if constexpr (Cfg::kRopeHalf > 0) {
+          ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
+                             full_bar + stage);
+        }
+      }
+    } else {
+      // This warp's tokens of the tile (all of them with one producer warp).
+      const int mine = valid - tok_p < 0 ? 0 : (valid - tok_p < Cfg::kTokensPerProducer ? valid - tok_p
+                                                                                        : Cfg::kTokensPerProducer);
+      __nv_bfloat16* dst_mine = dst_stage + tok_p * Cfg::kKvRowElems;
+      // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
+      for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : mine); ++n) {
+        const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
+        ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
+                                row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
+      }
+      if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
+        constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
+        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : mine); n0 += kTokPerInstr) {
+          const int n = n0 + lane / Cfg::kRopeChunks;
+          const int c = lane % Cfg::kRopeChunks;
+          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+          if (n < mine) {
+            ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
+                                    row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
+          }
+        }
+      }
+      ptx::cp_async_mbarrier_arrive_noinc(full_bar + stage);  // this lane's copies complete on full[stage]
+    }
+  }
+}
+
 template <class Cfg>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_kernel(const MlaVerifyParams p) {
@@ -356,62 +437,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       }
     }
   } else if (!Cfg::kKvFp8 && warp >= Cfg::kProducerWarp && warp < Cfg::kProducerWarp + Cfg::kProducerWarps) {
-    // ---- producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token
-    // tok_p + n (its row address is gathered one tile ahead).
-    const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
-    auto slot_of = [&](int tile) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len
-      const int pos = tile * Cfg::kBlockN + tok_p + lane;
-      if (lane >= Cfg::kTokensPerProducer || pos >= kv_len) return kNoSlot;
-      return token_row_addr<Cfg::kPageSize>(p, page_row, b, pos, prefix_len);
-    };
-    int64_t slot = slot_of(tile_begin);
-    for (int i = 0; i < num_tiles; ++i) {
-      const int tile = tile_begin + i;
-      const int stage = i % Cfg::kStages;
-      if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
-      const int left = kv_len - tile * Cfg::kBlockN;
-      const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
-      __nv_bfloat16* dst_stage = kv_smem + stage * Cfg::kStageElems;
-      if constexpr (Cfg::kBulkLoad) {
-        const bool copy = !(kAblate & kAblateLoads);
-        if (lane == 0) ptx::mbarrier_arrive_expect_tx(full_bar + stage, copy ? static_cast<uint32_t>(valid) * Cfg::kTokenBytes : 0u);
-        __syncwarp();
-        if (copy && lane < valid) {
-          __nv_bfloat16* dst = dst_stage + lane * Cfg::kKvRowElems;
-          const __nv_bfloat16* src = row_at(slot);
-          ptx::bulk_copy_g2s(dst, src + rank * Cfg::kLatentHalf, Cfg::kLatentBytes, full_bar + stage);
-          if constexpr (Cfg::kRopeHalf > 0) {
-            ptx::bulk_copy_g2s(dst + Cfg::kLatentHalf, src + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf, Cfg::kRopeBytes,
-                               full_bar + stage);
-          }
-        }
-      } else {
-        // This warp's tokens of the tile (all of them with one producer warp).
-        const int mine = valid - tok_p < 0 ? 0 : (valid - tok_p < Cfg::kTokensPerProducer ? valid - tok_p
-                                                                                          : Cfg::kTokensPerProducer);
-        __nv_bfloat16* dst_mine = dst_stage + tok_p * Cfg::kKvRowElems;
-        // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
-        for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : mine); ++n) {
-          const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
-          ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
-                                  row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
-        }
-        if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
-          constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
-          for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : mine); n0 += kTokPerInstr) {
-            const int n = n0 + lane / Cfg::kRopeChunks;
-            const int c = lane % Cfg::kRopeChunks;
-            const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
-            if (n < mine) {
-              ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
-                                      row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
-            }
-          }
-        }
-        ptx::cp_async_mbarrier_arrive_noinc(full_bar + stage);  // this lane's copies complete on full[stage]
-      }
-      slot = i + 1 < num_tiles ? slot_of(tile + 1) : -1;
-    }
+    dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
+                               full_bar, empty_bar);
   } else if (warp < live_warps) {
     // ---- consumer warp: m-tile `tile` of the cluster's rows; with pairs, token / output-dim half `wh`.
     const int tile = warp / Cfg::kWarpsPerTile;

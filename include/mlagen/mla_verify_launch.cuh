@@ -6,14 +6,27 @@
 
 #include "mlagen/mla_verify_combine.cuh"
 #include "mlagen/mla_verify_dimsplit.cuh"
+#include "mlagen/mla_verify_dimsplit_t.cuh"
 #include "mlagen/mla_verify_partial.cuh"
 
 namespace mlagen {
 
-// The partial kernel of a config's schedule: rowblock (MlaVerifyConfig) or dimsplit (MlaDimSplitConfig).
+// The partial kernel of a config's schedule: rowblock (MlaVerifyConfig), dimsplit (MlaDimSplitConfig) or
+// dimsplit_t (MlaDimSplitTConfig, the only config with kTransposed).
+template <class Cfg, class = void>
+struct IsTransposed {
+  static constexpr bool value = false;
+};
+template <class Cfg>
+struct IsTransposed<Cfg, decltype(void(Cfg::kTransposed))> {
+  static constexpr bool value = Cfg::kTransposed;
+};
+
 template <class Cfg>
 constexpr auto partial_kernel() {
-  if constexpr (Cfg::kDimSplit) {
+  if constexpr (IsTransposed<Cfg>::value) {
+    return &mla_verify_dimsplit_t_kernel<Cfg>;
+  } else if constexpr (Cfg::kDimSplit) {
     return &mla_verify_dimsplit_kernel<Cfg>;
   } else {
     return &mla_verify_partial_kernel<Cfg>;
@@ -40,7 +53,7 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
   if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr) return cudaErrorInvalidValue;
   if (p.batch_size == 0) return cudaSuccess;
-  // dimsplit: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
+  // dimsplit, dimsplit_t: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
   const dim3 grid_partial(Cfg::kRowBlocks * Cfg::kClusterCtas, p.num_splits, p.batch_size);
   partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();

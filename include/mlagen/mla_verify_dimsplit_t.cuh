@@ -1,0 +1,509 @@
+// mlagen/mla_verify_dimsplit_t.cuh — split-KV partial kernel of MLA verify attention, schedule "dimsplit_t":
+// the dimsplit cluster (two CTAs on two SMs each own half of the 576 dims, so every KV row of a split crosses
+// L2 -> shared memory once) with the MMAs transposed and the consumer work split between two kinds of warp.
+//
+//   S^T = K Q^T    m16 = the 16 tokens of a sub-tile, n8 = 8 (token, head) rows, k16 = 16 of the CTA's 288
+//                  dims. Score warp s holds Q of rows [24s, 24s + 24) as B fragments in registers (3 n8
+//                  tiles x 18 k-steps) and streams K from the stage as A fragments (ldmatrix): one K fragment
+//                  feeds 3 MMAs.
+//   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
+//                  mbarrier), four buffers deep; S = S_0 + S_1 is the same sum in both CTAs.
+//   softmax        in the score warps' registers: a row is an n index, so its max over the 16 tokens is a
+//                  3-shuffle reduction over the 8 lanes of one t4; P^T (bf16, [16 tokens][rows]) and each
+//                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers).
+//   O^T = V^T P^T  m16 = 16 output dims, n8 = rows, k16 = tokens. Output warp o owns 64 of the CTA's 256
+//                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
+//                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
+//                  MMAs and one P fragment 4.
+//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async into a kStages ring,
+//                  full / empty mbarriers.
+// Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
+// shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
+// (~106 KB of ldmatrix per 16 tokens per CTA with its Q steps), against ~45 KB here (3 score warps read K,
+// each output warp only its 64 dims of V, plus P); 72 rows are 9 n8 tiles (no padding to 80); and the score
+// and output work run in different warps, so one's latency hides behind the other's MMAs.
+// Only mma.sync, ldmatrix, cp.async, mbarrier and cluster shared memory (st.async): the same code runs on
+// sm_90 and sm_120. Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16" and "ldmatrix".
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "mlagen/mla_verify_config.cuh"
+#include "mlagen/mla_verify_dimsplit.cuh"  // dimsplit_produce_bf16
+#include "mlagen/mla_verify_new_kv.cuh"
+#include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_partial.cuh"  // key_visible
+#include "mlagen/mla_verify_split.cuh"
+#include "mlagen/ptx.cuh"
+
+namespace mlagen {
+
+template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
+          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+struct MlaDimSplitTConfig {
+  static constexpr bool kDimSplit = true;    // a two-CTA cluster per (row block, split, request)
+  static constexpr bool kTransposed = true;  // S^T = K Q^T, O^T = V^T P^T (this header)
+  static constexpr bool kKvFp8 = false;
+  static constexpr int kClusterCtas = 2;
+  static constexpr int kHeads = kHeads_;
+  static constexpr int kQLenMax = kQLenMax_;
+  static constexpr int kKvLoraRank = kKvLoraRank_;
+  static constexpr int kRopeDim = kRopeDim_;
+  static constexpr int kDimQK = kKvLoraRank + kRopeDim;
+  static constexpr int kDimV = kKvLoraRank;
+  static constexpr int kPageSize = kPageSize_;
+  static constexpr MaskKind kMask = kMask_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = kStages_;
+
+  // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
+  static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
+  static constexpr int kScoreWarps = kRowTiles;
+  static constexpr int kRowsPerScoreWarp = 24;
+  static constexpr int kNTilesS = kRowsPerScoreWarp / 8;
+  static constexpr int kRowsPerCta = kRowTiles * kRowsPerScoreWarp;  // rows of the cluster (both CTAs: all)
+  static constexpr int kRowNTiles = kRowsPerCta / 8;
+  static constexpr int kOutWarps = 4;
+  static constexpr int kFirstOutWarp = kScoreWarps;
+  static constexpr int kConsumerWarps = kScoreWarps + kOutWarps;  // arrivals on empty[stage]
+  static constexpr int kProducerWarp = kConsumerWarps;
+  static constexpr int kProducerWarps = 1;
+  static constexpr int kTokensPerProducer = kBlockN;
+  static constexpr int kRowsMax = kHeads * kQLenMax;
+  static constexpr int kRowBlocks = (kRowsMax + kRowsPerCta - 1) / kRowsPerCta;
+
+  // This CTA's half of a KV row (as in MlaDimSplitConfig).
+  static constexpr int kLatentHalf = kKvLoraRank / 2;
+  static constexpr int kRopeHalf = kRopeDim / 2;
+  static constexpr int kDimCta = kLatentHalf + kRopeHalf;  // 288
+  static constexpr int kKSteps = kDimCta / 16;              // 18
+  static constexpr int kLatentSteps = kLatentHalf / 16;
+  static constexpr int kDimVCta = kLatentHalf;              // 256 output dims per CTA
+  static constexpr int kDimVWarp = kDimVCta / kOutWarps;    // 64 per output warp
+  static constexpr int kMTilesO = kDimVWarp / 16;           // m16 dim tiles per output warp
+  static constexpr int kSubTile = 16;
+  static constexpr int kSubTiles = kBlockN / kSubTile;
+
+  // Shared memory: the KV ring (rows padded by 16 B: 592 B = 37 x 16 B, so the 8 rows of an ldmatrix fall in
+  // distinct bank groups), the exchange buffers [kXBufs][kScoreWarps][3 n8 tiles][32 lanes][4 floats], the P^T
+  // buffers [kPBufs][16 tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
+  // rescale factors [kPBufs][kRowsPerCta], the final row sums [kRowsPerCta], then the mbarriers.
+  static constexpr int kKvRowElems = kDimCta + 8;
+  static constexpr int kStageElems = kBlockN * kKvRowElems;
+  static constexpr int kSmemKv = kStages * kStageElems * 2;
+  static constexpr int kXBufs = 4;  // a warp's send of sub-tile j + 4 follows its peer's read of j (see the loop)
+  static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
+  static constexpr int kSmemXchg = kXBufs * kScoreWarps * kXchgFloatsPerWarp * 4;
+  static constexpr int kPBufs = 3;
+  static constexpr int kPRowElems = (kRowsPerCta * 2 / 16) % 2 == 1 ? kRowsPerCta : kRowsPerCta + 8;
+  static constexpr int kPBufElems = kSubTile * kPRowElems;
+  static constexpr int kSmemP = kPBufs * kPBufElems * 2;
+  static constexpr int kSmemAlpha = kPBufs * kRowsPerCta * 4;
+  static constexpr int kSmemStats = kRowsPerCta * 4;
+  // full, empty [kStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]
+  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs;
+  static constexpr int kSmemBars = kNumBars * 8;
+  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemBars;
+
+  // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
+  static constexpr bool kBulkLoad = false;
+  static constexpr int kLoadBytes = 16;
+  static constexpr int kLatentBytes = kLatentHalf * 2;
+  static constexpr int kRopeBytes = kRopeHalf * 2;
+  static constexpr int kTokenBytes = kDimCta * 2;
+  static constexpr int kLatentChunks = kLatentHalf * 2 / 16;
+  static constexpr int kRopeChunks = kRopeHalf * 2 / 16;
+
+  // Registers held per thread across the main loop: score warps Q (B fragments) + two accumulator chains +
+  // the previous sub-tile's scores; output warps the O^T accumulators.
+  static constexpr int kRegsScore = kKSteps * kNTilesS * 2 + 3 * kNTilesS * 4;
+  static constexpr int kRegsOut = kMTilesO * kRowNTiles * 4;
+
+  static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
+  static_assert(kQLenMax >= 1 && kQLenMax <= 64, "q_len must be in [1, 64] (tree mask is a 64-bit row)");
+  static_assert(kPageSize >= 1 && (kPageSize & (kPageSize - 1)) == 0, "page_size must be a power of two");
+  static_assert(kLoadBits_ == 128, "dimsplit_t: load_width must be 128 (16-byte cp.async producer)");
+  static_assert(kKvLoraRank == 512 && kRopeDim == 64,
+                "dimsplit_t: kv_lora_rank 512 and qk_rope_head_dim 64 (a 512-byte latent half per producer "
+                "instruction, 64 output dims per output warp)");
+  static_assert(kBlockN == 32, "dimsplit_t: block_n must be 32 (one token per producer lane, two sub-tiles)");
+  static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
+  static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
+  static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
+  static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
+  static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
+};
+
+template <class Cfg>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
+    mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
+  float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);
+  __nv_bfloat16* pt_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);
+  float* alpha_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemP);
+  float* lsum_smem = alpha_smem + Cfg::kPBufs * Cfg::kRowsPerCta;  // [kRowsPerCta]: the final row sums
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(lsum_smem + Cfg::kRowsPerCta);  // [kStages]
+  uint64_t* empty_bar = full_bar + Cfg::kStages;                                        // [kStages]
+  uint64_t* xfull_bar = empty_bar + Cfg::kStages;           // [kXBufs][kScoreWarps]: the peer's scores landed
+  uint64_t* pfull_bar = xfull_bar + Cfg::kXBufs * Cfg::kScoreWarps;  // [kPBufs]: P^T and factors written
+  uint64_t* pempty_bar = pfull_bar + Cfg::kPBufs;                    // [kPBufs]: the output warps are done
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t4 = lane % 4;
+  const uint32_t rank = ptx::cluster_cta_rank();
+  const uint32_t peer = rank ^ 1u;
+
+  const int row_block = blockIdx.x / Cfg::kClusterCtas;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int q_len = p.q_len;
+  const int rows = q_len * Cfg::kHeads;
+  const int row0 = row_block * Cfg::kRowsPerCta;
+  if (row0 >= rows) return;  // the same for both CTAs of the cluster
+  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
+
+  const int kv_len = p.kv_lens[b];
+  const int prefix_len = kv_len - q_len;
+  int tile_begin, tile_end;
+  split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
+  if (row_block == 0 && split == 0) {  // this step's draft rows to the cache: each CTA its half of the dims
+    store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
+    store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
+                      Cfg::kThreads);
+  }
+  const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
+  float* lse_part = p.lse_part + ws_row_base;
+  if (tile_begin >= tile_end) {  // empty split (both CTAs): contributes nothing
+    if (rank == 0)
+      for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
+    return;
+  }
+  const int num_tiles = tile_end - tile_begin;
+  const int num_sub = num_tiles * Cfg::kSubTiles;
+
+  if (tid == 0) {
+    for (int st = 0; st < Cfg::kStages; ++st) {
+      ptx::mbarrier_init(full_bar + st, 32);  // the producer's lanes (cp.async.mbarrier.arrive.noinc)
+      ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
+    }
+    // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
+    for (int i = 0; i < Cfg::kXBufs * Cfg::kScoreWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
+    for (int i = 0; i < Cfg::kPBufs; ++i) {
+      ptx::mbarrier_init(pfull_bar + i, Cfg::kScoreWarps);
+      ptx::mbarrier_init(pempty_bar + i, Cfg::kOutWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
+  // finite data (zeros or an earlier tile's rows), which P = 0 cancels exactly.
+  for (int i = tid; i < Cfg::kSmemKv / 16; i += Cfg::kThreads)
+    reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
+
+  int64_t table_row = b;
+  if (p.req_idx != nullptr) {
+    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
+                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
+  }
+  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+
+  // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kStages at row offset 16 (j % kSubTiles).
+  auto sub_kv = [&](int j) {
+    return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kStages) * Cfg::kStageElems +
+           (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
+  };
+  auto wait_full = [&](int j) {  // the stage of sub-tile j has landed (first sub-tile of a stage only)
+    if (j % Cfg::kSubTiles == 0) {
+      const int i = j / Cfg::kSubTiles;
+      ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+    }
+  };
+  auto release_stage = [&](int j) {  // this warp is done reading the stage of sub-tile j (after its last one)
+    if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kStages);
+    }
+  };
+  constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
+  constexpr uint32_t kStatThreads = Cfg::kConsumerWarps * 32;
+
+  if (warp == Cfg::kProducerWarp) {
+    dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
+                               full_bar, empty_bar);
+  } else if (warp < Cfg::kScoreWarps) {
+    // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
+    const int sw = warp;
+    const int rloc0 = sw * Cfg::kRowsPerScoreWarp;
+    // Q as B fragments (k16 x n8, "col"): b0 = Q[row g][dims 2 t4, +1], b1 = Q[row g][dims 2 t4 + 8, +9].
+    uint32_t q_frag[Cfg::kKSteps][Cfg::kNTilesS][2];
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+      const int r = row0 + rloc0 + nt * 8 + g;
+      const bool row_ok = r < rows;
+      const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
+      const __nv_bfloat16* q_row =
+          p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        const int dim = ks < Cfg::kLatentSteps
+                            ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
+                            : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
+        q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
+        q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
+      }
+    }
+    // Per row (n8 tile nt, column parity e = row 2 t4 + e): running max (log2 units), this thread's share of
+    // the running sum (its tokens g and g + 8 of every sub-tile).
+    float m_run[Cfg::kNTilesS][2], l_run[Cfg::kNTilesS][2];
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+      m_run[nt][0] = m_run[nt][1] = -INFINITY;
+      l_run[nt][0] = l_run[nt][1] = 0.f;
+    }
+    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    const uint32_t xchg_remote = ptx::map_to_cta(ptx::smem_u32(xchg_smem), peer);
+    const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
+    auto xslot = [&](int j) { return (j % Cfg::kXBufs) * Cfg::kScoreWarps + sw; };
+
+    // S^T_c of sub-tile j over this CTA's 288 dims; A = K (ldmatrix: matrices (tokens 0-7, k lo), (tokens 8-15,
+    // k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)), two accumulator chains (even / odd k steps).
+    auto compute_scores = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+      const __nv_bfloat16* a_src = sub_kv(j) + (lane % 16) * Cfg::kKvRowElems + (lane / 16) * 8;
+      float s2[Cfg::kNTilesS][4];
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4(a, a_src + ks * 16);
+        float(&acc)[Cfg::kNTilesS][4] = (ks % 2) ? s2 : s;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) ptx::mma_bf16_16816(acc[nt], a, q_frag[ks][nt][0], q_frag[ks][nt][1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+    };
+    auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
+      const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
+      const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
+        ptx::st_async_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3], bar);
+      }
+    };
+    // S = S_c + S_{1-c}; mask; online softmax; P^T and the rescale factors of sub-tile j to P buffer j % kPBufs.
+    // Fragment (m16 tokens x n8 rows): s[nt][0] = (token g, row 2 t4), [1] = (g, 2 t4 + 1), [2] = (g + 8, 2 t4),
+    // [3] = (g + 8, 2 t4 + 1); a row's 16 tokens are the 8 lanes of one t4, two values each.
+    auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+      uint64_t* xbar = xfull_bar + xslot(j);
+      if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
+      ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
+      const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        const float4 v = *reinterpret_cast<const float4*>(xin + (nt * 32 + lane) * 4);
+        s[nt][0] = (s[nt][0] + v.x) * scale_log2;
+        s[nt][1] = (s[nt][1] + v.y) * scale_log2;
+        s[nt][2] = (s[nt][2] + v.z) * scale_log2;
+        s[nt][3] = (s[nt][3] + v.w) * scale_log2;
+      }
+      const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
+      if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = row0 + rloc0 + nt * 8 + 2 * t4 + e;
+            const int qi = r / Cfg::kHeads;
+            int64_t mask_row = 0;
+            if constexpr (Cfg::kMask == MaskKind::kTree) {
+              if (r < rows) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+            }
+            if (!key_visible<Cfg>(key0 + g, kv_len, prefix_len, qi, mask_row)) s[nt][e] = -INFINITY;
+            if (!key_visible<Cfg>(key0 + g + 8, kv_len, prefix_len, qi, mask_row)) s[nt][2 + e] = -INFINITY;
+          }
+      }
+      const int buf = j % Cfg::kPBufs;
+      if (j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in this buffer
+        ptx::mbarrier_wait_parity(pempty_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
+      }
+      __nv_bfloat16* pt = pt_smem + buf * Cfg::kPBufElems;
+      float* alpha_out = alpha_smem + buf * Cfg::kRowsPerCta;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        float alpha[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float mx = fmaxf(s[nt][e], s[nt][2 + e]);
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float m_new = fmaxf(m_run[nt][e], mx);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+          alpha[e] = exp2f(m_run[nt][e] - m_use);
+          m_run[nt][e] = m_new;
+          s[nt][e] = exp2f(s[nt][e] - m_use);
+          s[nt][2 + e] = exp2f(s[nt][2 + e] - m_use);
+          l_run[nt][e] = l_run[nt][e] * alpha[e] + s[nt][e] + s[nt][2 + e];
+        }
+        const int rl = rloc0 + nt * 8 + 2 * t4;  // rows rl, rl + 1 of the block
+        *reinterpret_cast<uint32_t*>(pt + g * Cfg::kPRowElems + rl) = ptx::pack_bf16x2(s[nt][0], s[nt][1]);
+        *reinterpret_cast<uint32_t*>(pt + (g + 8) * Cfg::kPRowElems + rl) = ptx::pack_bf16x2(s[nt][2], s[nt][3]);
+        if (g == 0) *reinterpret_cast<float2*>(alpha_out + rl) = make_float2(alpha[0], alpha[1]);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + buf);  // release: P^T and the factors of sub-tile j
+    };
+
+    // Software pipeline: the scores of j + 1 are computed and sent before the softmax of j, so the peer's half
+    // of them crosses the cluster during a whole sub-tile of MMAs. Exchange buffer reuse: this warp sends
+    // sub-tile j + 4 (into the peer's buffer j % 4) after its softmax of j + 2 received the peer's j + 2, which
+    // the peer sent after its softmax of j had read that buffer.
+    float s_cur[Cfg::kNTilesS][4], s_next[Cfg::kNTilesS][4];
+    wait_full(0);
+    compute_scores(0, s_cur);
+    send_scores(0, s_cur);
+#pragma unroll 1
+    for (int j = 0; j < num_sub; ++j) {
+      release_stage(j);  // compute_scores(j) has read its K
+      const bool more = j + 1 < num_sub;
+      if (more) {
+        wait_full(j + 1);
+        compute_scores(j + 1, s_next);
+        send_scores(j + 1, s_next);
+      }
+      softmax(j, s_cur);
+      if (more) {
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_cur[nt][e] = s_next[nt][e];
+      }
+    }
+    // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float l = l_run[nt][e];
+        l += __shfl_xor_sync(0xffffffffu, l, 4);
+        l += __shfl_xor_sync(0xffffffffu, l, 8);
+        l += __shfl_xor_sync(0xffffffffu, l, 16);
+        const int rl = rloc0 + nt * 8 + 2 * t4 + e;
+        if (g == 0) {
+          lsum_smem[rl] = l;
+          if (rank == 0 && rl < live_rows) {
+            lse_part[rl] = l > 0.f ? (m_run[nt][e] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+          }
+        }
+      }
+    ptx::named_barrier_arrive(kStatBar, kStatThreads);
+  } else {
+    // ---- output warp ow: dims [64 ow, 64 ow + 64) of this CTA's 256 latent dims, every row of the block
+    const int ow = warp - Cfg::kFirstOutWarp;
+    const int dim0 = ow * Cfg::kDimVWarp;
+    // O^T fragments (m16 dims x n8 rows): o[mt][nt][0] = (dim 16 mt + g, row 8 nt + 2 t4), [1] = (.., row + 1),
+    // [2] = (dim + 8, row 8 nt + 2 t4), [3] = (dim + 8, row + 1).
+    float o[Cfg::kMTilesO][Cfg::kRowNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTilesO; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+    // ldmatrix.trans row addresses: V^T A fragments, matrices (tokens 0-7, dims 0-7), (tokens 0-7, dims 8-15),
+    // (tokens 8-15, dims 0-7), (tokens 8-15, dims 8-15); P^T B fragments, matrices (tokens 0-7, rows n0),
+    // (tokens 8-15, rows n0), (tokens 0-7, rows n0 + 8), (tokens 8-15, rows n0 + 8).
+    const int v_tok = lane % 8 + 8 * (lane / 16), v_dim = 8 * ((lane / 8) % 2);
+    const int p_tok = lane % 8 + 8 * ((lane / 8) % 2), p_row = 8 * (lane / 16);
+#pragma unroll 1
+    for (int j = 0; j < num_sub; ++j) {
+      wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
+      const int buf = j % Cfg::kPBufs;
+      ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u);
+      const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
+      float2 alpha[Cfg::kRowNTiles];
+      bool unit = true;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
+        alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+        unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
+      }
+      if (!__all_sync(0xffffffffu, unit)) {  // some row max moved
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTilesO; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
+            o[mt][nt][0] *= alpha[nt].x;
+            o[mt][nt][1] *= alpha[nt].y;
+            o[mt][nt][2] *= alpha[nt].x;
+            o[mt][nt][3] *= alpha[nt].y;
+          }
+      }
+      const __nv_bfloat16* pt = pt_smem + buf * Cfg::kPBufElems + p_tok * Cfg::kPRowElems + p_row;
+      uint32_t pb[Cfg::kRowNTiles][2];
+#pragma unroll
+      for (int np = 0; np < Cfg::kRowNTiles / 2; ++np) {
+        uint32_t r[4];
+        ptx::ldmatrix_x4_trans(r, pt + np * 16);
+        pb[2 * np][0] = r[0];
+        pb[2 * np][1] = r[1];
+        pb[2 * np + 1][0] = r[2];
+        pb[2 * np + 1][1] = r[3];
+      }
+      if constexpr (Cfg::kRowNTiles % 2 == 1) {  // the last n8 tile alone: lanes 0-15 give its two matrices
+        uint32_t r[2];
+        ptx::ldmatrix_x2_trans(r, pt - p_row + (Cfg::kRowNTiles - 1) * 8);
+        pb[Cfg::kRowNTiles - 1][0] = r[0];
+        pb[Cfg::kRowNTiles - 1][1] = r[1];
+      }
+      const __nv_bfloat16* v_src = sub_kv(j) + v_tok * Cfg::kKvRowElems + dim0 + v_dim;
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
+        uint32_t va[4];
+        ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) ptx::mma_bf16_16816(o[mt][nt], va, pb[nt][0], pb[nt][1]);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);  // P buffer free for sub-tile j + kPBufs
+      release_stage(j);
+    }
+    // ---- epilogue: normalized partial O^T of this warp's dims (scores warps' row sums), rows < live_rows
+    ptx::named_barrier_sync(kStatBar, kStatThreads);
+    float* o_base = p.o_part + ws_row_base * Cfg::kDimV + rank * Cfg::kDimVCta + dim0;
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int rl = nt * 8 + 2 * t4 + e;
+        if (rl < live_rows) {
+          const float l = lsum_smem[rl];
+          const float inv_l = l > 0.f ? 1.f / l : 0.f;
+          float* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
+            o_row[mt * 16 + g] = o[mt][nt][e] * inv_l;
+            o_row[mt * 16 + g + 8] = o[mt][nt][2 + e] * inv_l;
+          }
+        }
+      }
+  }
+  __syncwarp();
+  ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
+}
+
+}  // namespace mlagen
