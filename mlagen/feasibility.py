@@ -73,8 +73,8 @@ def resources(v: Variant) -> Resources:
         smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
         smem_xchg = 4 * v.row_tiles * 3 * 32 * 4 * 4  # [4 buffers][score warps][3 n8 tiles][32 lanes][4 floats]
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
-        smem_p = 3 * 16 * p_row * 2 + 3 * rows * 4 + rows * 4  # P^T buffers, rescale factors, row sums
-        smem_bars = (2 * v.stages + 4 * v.row_tiles + 2 * 3) * 8
+        smem_p = 2 * 16 * p_row * 2 + 2 * rows * 4 + rows * 4  # 2 P^T buffers, their rescale factors, row sums
+        smem_bars = (2 * v.stages + 4 * v.row_tiles + 2 * 2) * 8
         return Resources(smem_kv + smem_xchg + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
@@ -216,8 +216,8 @@ def _dimsplit_t_reason(v: Variant) -> str | None:
                 "producer instruction, 64 output dims per output warp)")
     if v.overlap:
         return "schedule dimsplit_t overlaps loads and math by itself: overlap must be 0"
-    if v.block_n != 32:
-        return f"schedule dimsplit_t: block_n must be 32 (stages of 32 tokens, consumed 16 at a time), got {v.block_n}"
+    if v.block_n not in (16, 32):
+        return f"schedule dimsplit_t: block_n must be 16 or 32 (stages of 16 or 32 tokens), got {v.block_n}"
     want = dimsplit_t_row_tiles(v.rows_max)
     if v.row_tiles != want:
         return (f"schedule dimsplit_t covers {v.rows_max} rows with clusters of {want} score warps of "

@@ -89,7 +89,7 @@ PARAMS: dict[str, Param] = {
         Param("block_n", int, allowed=(16, 32, 64), default=16),
         Param("num_warps", int, lo=2, hi=16, default=8),  # rowblock: 4, 8, 16; dimsplit: row_tiles + 1 .. 8, or 2 x row_tiles + 1; dimsplit_t: row_tiles + 5
         Param("row_tiles", int, lo=1, hi=8, default=2),
-        Param("stages", int, lo=2, hi=6, default=3),
+        Param("stages", int, lo=2, hi=8, default=3),
         Param("overlap", int, allowed=(0, 1), default=0),  # 1: scores of tile t+1 overlap P V of tile t (bulk only)
         Param("schedule", str, allowed=tuple(SCHEDULES), default="rowblock"),  # dimsplit(_t): 2-CTA cluster, KV read once per split
         Param("mask", str, allowed=tuple(MASKS), default="tree"),

@@ -97,7 +97,9 @@ struct MlaDimSplitTConfig {
   static constexpr int kXBufs = 4;  // a warp's send of sub-tile j + 4 follows its peer's read of j (see the loop)
   static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
   static constexpr int kSmemXchg = kXBufs * kScoreWarps * kXchgFloatsPerWarp * 4;
-  static constexpr int kPBufs = 3;
+  // Two P^T buffers: the output warps trail the score warps by at most two sub-tiles, so at most one stage
+  // beyond the one being scored is held by consumers and the rest of the ring is loading (perf-notes v11).
+  static constexpr int kPBufs = 2;
   static constexpr int kPRowElems = (kRowsPerCta * 2 / 16) % 2 == 1 ? kRowsPerCta : kRowsPerCta + 8;
   static constexpr int kPBufElems = kSubTile * kPRowElems;
   static constexpr int kSmemP = kPBufs * kPBufElems * 2;
@@ -129,7 +131,7 @@ struct MlaDimSplitTConfig {
   static_assert(kKvLoraRank == 512 && kRopeDim == 64,
                 "dimsplit_t: kv_lora_rank 512 and qk_rope_head_dim 64 (a 512-byte latent half per producer "
                 "instruction, 64 output dims per output warp)");
-  static_assert(kBlockN == 32, "dimsplit_t: block_n must be 32 (one token per producer lane, two sub-tiles)");
+  static_assert(kBlockN == 16 || kBlockN == 32, "dimsplit_t: block_n must be 16 or 32 (one token per producer lane)");
   static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
   static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
   static_assert(kStages >= 2, "need at least two pipeline stages");
