@@ -66,11 +66,11 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
 
 def dimsplit_t_tuning_spec(H: int, q_len: int, ps: int) -> dict:
     """The dimsplit_t tiles of a bucket (built beside :func:`tuning_spec`'s): score warps of 24 rows, 4
-    output warps and a producer, cp.async loader; rings of 32-token stages (3, 4) and 16-token stages (4, 6,
-    8): 96-128 tokens in flight, the deepest that fit sm_120's 99 KB."""
+    output warps and a producer, cp.async loader; 32-token steps (block_n 32, 3 stages: 99 KB allows no 4th)
+    and 16-token steps (block_n 16, rings of 4-8 stages)."""
     rt = dimsplit_t_row_tiles(H * q_len)
     return dict(name=f"bench_dst_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
-                mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[3, 4, 6, 8],
+                mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[4, 6, 8, 3],
                 row_tiles=rt, num_warps=rt + DIMSPLIT_T_OUT_WARPS + 1, schedule="dimsplit_t", load_width=128)
 
 

@@ -2,12 +2,12 @@
 // the dimsplit cluster (two CTAs on two SMs each own half of the 576 dims, so every KV row of a split crosses
 // L2 -> shared memory once) with the MMAs transposed and the consumer work split between two kinds of warp.
 //
-//   S^T = K Q^T    m16 = the 16 tokens of a sub-tile, n8 = 8 (token, head) rows, k16 = 16 of the CTA's 288
-//                  dims. Score warp s holds Q of rows [24s, 24s + 24) as B fragments in registers (3 n8
-//                  tiles x 18 k-steps) and streams K from the stage as A fragments (ldmatrix): one K fragment
-//                  feeds 3 MMAs.
+//   S^T = K Q^T    m16 = 16 tokens (a sub-tile is a whole stage: one or two m16 tiles), n8 = 8 (token, head)
+//                  rows, k16 = 16 of the CTA's 288 dims. Score warp s holds Q of rows [24s, 24s + 24) as B
+//                  fragments in registers (3 n8 tiles x 18 k-steps) and streams K from the stage as A
+//                  fragments (ldmatrix): one K fragment feeds 3 MMAs.
 //   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
-//                  mbarrier), four buffers deep; S = S_0 + S_1 is the same sum in both CTAs.
+//                  mbarrier), two buffers deep; S = S_0 + S_1 is the same sum in both CTAs.
 //   softmax        in the score warps' registers: a row is an n index, so its max over the 16 tokens is a
 //                  3-shuffle reduction over the 8 lanes of one t4; P^T (bf16, [16 tokens][rows]) and each
 //                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers).
@@ -84,18 +84,22 @@ struct MlaDimSplitTConfig {
   static constexpr int kDimVCta = kLatentHalf;              // 256 output dims per CTA
   static constexpr int kDimVWarp = kDimVCta / kOutWarps;    // 64 per output warp
   static constexpr int kMTilesO = kDimVWarp / 16;           // m16 dim tiles per output warp
-  static constexpr int kSubTile = 16;
-  static constexpr int kSubTiles = kBlockN / kSubTile;
+  // A score / output step is a whole stage: block_n 32 gives each score warp two m16 token tiles per step
+  // (6 independent accumulators per K step, one softmax pass per 32 tokens), block_n 16 one (two
+  // accumulator chains over the even / odd K steps instead).
+  static constexpr int kSubTile = kBlockN;
+  static constexpr int kSubTiles = 1;
+  static constexpr int kMTilesS = kSubTile / 16;
 
   // Shared memory: the KV ring (rows padded by 16 B: 592 B = 37 x 16 B, so the 8 rows of an ldmatrix fall in
-  // distinct bank groups), the exchange buffers [kXBufs][kScoreWarps][3 n8 tiles][32 lanes][4 floats], the P^T
-  // buffers [kPBufs][16 tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
+  // distinct bank groups), the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats],
+  // the P^T buffers [kPBufs][kSubTile tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
   // rescale factors [kPBufs][kRowsPerCta], the final row sums [kRowsPerCta], then the mbarriers.
   static constexpr int kKvRowElems = kDimCta + 8;
   static constexpr int kStageElems = kBlockN * kKvRowElems;
   static constexpr int kSmemKv = kStages * kStageElems * 2;
-  static constexpr int kXBufs = 4;  // a warp's send of sub-tile j + 4 follows its peer's read of j (see the loop)
-  static constexpr int kXchgFloatsPerWarp = kNTilesS * 32 * 4;
+  static constexpr int kXBufs = 2;  // a warp's send of sub-tile j + 2 follows its peer's read of j (see the loop)
+  static constexpr int kXchgFloatsPerWarp = kMTilesS * kNTilesS * 32 * 4;
   static constexpr int kSmemXchg = kXBufs * kScoreWarps * kXchgFloatsPerWarp * 4;
   // Two P^T buffers: the output warps trail the score warps by at most two sub-tiles, so at most one stage
   // beyond the one being scored is held by consumers and the rest of the ring is loading (perf-notes v11).
@@ -121,7 +125,7 @@ struct MlaDimSplitTConfig {
 
   // Registers held per thread across the main loop: score warps Q (B fragments) + two accumulator chains +
   // the previous sub-tile's scores; output warps the O^T accumulators.
-  static constexpr int kRegsScore = kKSteps * kNTilesS * 2 + 3 * kNTilesS * 4;
+  static constexpr int kRegsScore = kKSteps * kNTilesS * 2 + 3 * kMTilesS * kNTilesS * 4;
   static constexpr int kRegsOut = kMTilesO * kRowNTiles * 4;
 
   static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
@@ -217,7 +221,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   }
   const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
 
-  // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kStages at row offset 16 (j % kSubTiles).
+  // Sub-tile j (kSubTile tokens) lives in stage (j / kSubTiles) % kStages at row offset kSubTile (j % kSubTiles).
   auto sub_kv = [&](int j) {
     return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kStages) * Cfg::kStageElems +
            (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
@@ -275,53 +279,70 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
     auto xslot = [&](int j) { return (j % Cfg::kXBufs) * Cfg::kScoreWarps + sw; };
 
-    // S^T_c of sub-tile j over this CTA's 288 dims; A = K (ldmatrix: matrices (tokens 0-7, k lo), (tokens 8-15,
-    // k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)), two accumulator chains (even / odd k steps).
-    auto compute_scores = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+    // S^T_c of sub-tile j over this CTA's 288 dims; A = K of m16 token tile mt (ldmatrix: matrices (tokens
+    // 0-7, k lo), (tokens 8-15, k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)). With one token tile, two
+    // accumulator chains (even / odd k steps) keep consecutive MMAs independent.
+    constexpr int kChains = Cfg::kMTilesS == 1 ? 2 : 1;
+    auto compute_scores = [&](int j, float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
       const __nv_bfloat16* a_src = sub_kv(j) + (lane % 16) * Cfg::kKvRowElems + (lane / 16) * 8;
-      float s2[Cfg::kNTilesS][4];
+      float s2[Cfg::kMTilesS][Cfg::kNTilesS][4];
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = s2[nt][e] = 0.f;
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = s2[mt][nt][e] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-        uint32_t a[4];
-        ptx::ldmatrix_x4(a, a_src + ks * 16);
-        float(&acc)[Cfg::kNTilesS][4] = (ks % 2) ? s2 : s;
+        uint32_t a[Cfg::kMTilesS][4];
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) ptx::mma_bf16_16816(acc[nt], a, q_frag[ks][nt][0], q_frag[ks][nt][1]);
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt) ptx::ldmatrix_x4(a[mt], a_src + mt * 16 * Cfg::kKvRowElems + ks * 16);
+        float(&acc)[Cfg::kMTilesS][Cfg::kNTilesS][4] = (kChains == 2 && ks % 2) ? s2 : s;
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+            ptx::mma_bf16_16816(acc[mt][nt], a[mt], q_frag[ks][nt][0], q_frag[ks][nt][1]);
       }
+      if constexpr (kChains == 2) {
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] += s2[mt][nt][e];
+      }
     };
-    auto send_scores = [&](int j, const float (&s)[Cfg::kNTilesS][4]) {
+    auto send_scores = [&](int j, const float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
       const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
       const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * 4) * 4);
-        ptx::st_async_cluster_v4(dst, s[nt][0], s[nt][1], s[nt][2], s[nt][3], bar);
-      }
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+          const int f = (mt * Cfg::kNTilesS + nt) * 32 + lane;
+          const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + f * 4) * 4);
+          ptx::st_async_cluster_v4(dst, s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3], bar);
+        }
     };
     // S = S_c + S_{1-c}; mask; online softmax; P^T and the rescale factors of sub-tile j to P buffer j % kPBufs.
-    // Fragment (m16 tokens x n8 rows): s[nt][0] = (token g, row 2 t4), [1] = (g, 2 t4 + 1), [2] = (g + 8, 2 t4),
-    // [3] = (g + 8, 2 t4 + 1); a row's 16 tokens are the 8 lanes of one t4, two values each.
-    auto softmax = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
+    // Fragment (m16 tokens x n8 rows) of token tile mt: s[mt][nt][0] = (token 16 mt + g, row 2 t4), [1] = (g,
+    // 2 t4 + 1), [2] = (g + 8, 2 t4), [3] = (g + 8, 2 t4 + 1); a row's tokens are the 8 lanes of one t4.
+    auto softmax = [&](int j, float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
       uint64_t* xbar = xfull_bar + xslot(j);
       if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
       ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
       const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const float4 v = *reinterpret_cast<const float4*>(xin + (nt * 32 + lane) * 4);
-        s[nt][0] = (s[nt][0] + v.x) * scale_log2;
-        s[nt][1] = (s[nt][1] + v.y) * scale_log2;
-        s[nt][2] = (s[nt][2] + v.z) * scale_log2;
-        s[nt][3] = (s[nt][3] + v.w) * scale_log2;
-      }
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+          const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
+          s[mt][nt][0] = (s[mt][nt][0] + v.x) * scale_log2;
+          s[mt][nt][1] = (s[mt][nt][1] + v.y) * scale_log2;
+          s[mt][nt][2] = (s[mt][nt][2] + v.z) * scale_log2;
+          s[mt][nt][3] = (s[mt][nt][3] + v.w) * scale_log2;
+        }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
       if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
 #pragma unroll
@@ -334,8 +355,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             if constexpr (Cfg::kMask == MaskKind::kTree) {
               if (r < rows) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
             }
-            if (!key_visible<Cfg>(key0 + g, kv_len, prefix_len, qi, mask_row)) s[nt][e] = -INFINITY;
-            if (!key_visible<Cfg>(key0 + g + 8, kv_len, prefix_len, qi, mask_row)) s[nt][2 + e] = -INFINITY;
+#pragma unroll
+            for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
+              if (!key_visible<Cfg>(key0 + mt * 16 + g, kv_len, prefix_len, qi, mask_row)) s[mt][nt][e] = -INFINITY;
+              if (!key_visible<Cfg>(key0 + mt * 16 + g + 8, kv_len, prefix_len, qi, mask_row)) s[mt][nt][2 + e] = -INFINITY;
+            }
           }
       }
       const int buf = j % Cfg::kPBufs;
@@ -349,7 +373,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         float alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float mx = fmaxf(s[nt][e], s[nt][2 + e]);
+          float mx = -INFINITY;
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTilesS; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][e], s[mt][nt][2 + e]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
@@ -357,24 +383,33 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
           alpha[e] = exp2f(m_run[nt][e] - m_use);
           m_run[nt][e] = m_new;
-          s[nt][e] = exp2f(s[nt][e] - m_use);
-          s[nt][2 + e] = exp2f(s[nt][2 + e] - m_use);
-          l_run[nt][e] = l_run[nt][e] * alpha[e] + s[nt][e] + s[nt][2 + e];
+          float sum = 0.f;
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
+            s[mt][nt][e] = exp2f(s[mt][nt][e] - m_use);
+            s[mt][nt][2 + e] = exp2f(s[mt][nt][2 + e] - m_use);
+            sum += s[mt][nt][e] + s[mt][nt][2 + e];
+          }
+          l_run[nt][e] = l_run[nt][e] * alpha[e] + sum;
         }
         const int rl = rloc0 + nt * 8 + 2 * t4;  // rows rl, rl + 1 of the block
-        *reinterpret_cast<uint32_t*>(pt + g * Cfg::kPRowElems + rl) = ptx::pack_bf16x2(s[nt][0], s[nt][1]);
-        *reinterpret_cast<uint32_t*>(pt + (g + 8) * Cfg::kPRowElems + rl) = ptx::pack_bf16x2(s[nt][2], s[nt][3]);
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
+          __nv_bfloat16* pt_tok = pt + (mt * 16 + g) * Cfg::kPRowElems + rl;
+          *reinterpret_cast<uint32_t*>(pt_tok) = ptx::pack_bf16x2(s[mt][nt][0], s[mt][nt][1]);
+          *reinterpret_cast<uint32_t*>(pt_tok + 8 * Cfg::kPRowElems) = ptx::pack_bf16x2(s[mt][nt][2], s[mt][nt][3]);
+        }
         if (g == 0) *reinterpret_cast<float2*>(alpha_out + rl) = make_float2(alpha[0], alpha[1]);
       }
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pfull_bar + buf);  // release: P^T and the factors of sub-tile j
     };
 
-    // Software pipeline: the scores of j + 1 are computed and sent before the softmax of j, so the peer's half
-    // of them crosses the cluster during a whole sub-tile of MMAs. Exchange buffer reuse: this warp sends
-    // sub-tile j + 4 (into the peer's buffer j % 4) after its softmax of j + 2 received the peer's j + 2, which
-    // the peer sent after its softmax of j had read that buffer.
-    float s_cur[Cfg::kNTilesS][4], s_next[Cfg::kNTilesS][4];
+    // Software pipeline: the scores of j + 1 are computed before the softmax of j and sent after it, so the
+    // peer's half of sub-tile j crosses the cluster while this warp computes j + 1. Exchange buffer reuse (two
+    // buffers): this warp sends j + 1 into the peer's buffer (j + 1) % 2 after its softmax of j received the
+    // peer's j, which the peer sent after its softmax of j - 1 had read that buffer.
+    float s_cur[Cfg::kMTilesS][Cfg::kNTilesS][4], s_next[Cfg::kMTilesS][Cfg::kNTilesS][4];
     wait_full(0);
     compute_scores(0, s_cur);
     send_scores(0, s_cur);
@@ -385,14 +420,16 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       if (more) {
         wait_full(j + 1);
         compute_scores(j + 1, s_next);
-        send_scores(j + 1, s_next);
       }
       softmax(j, s_cur);
       if (more) {
+        send_scores(j + 1, s_next);
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s_cur[nt][e] = s_next[nt][e];
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
       }
     }
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
@@ -455,30 +492,34 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             o[mt][nt][3] *= alpha[nt].y;
           }
       }
-      const __nv_bfloat16* pt = pt_smem + buf * Cfg::kPBufElems + p_tok * Cfg::kPRowElems + p_row;
-      uint32_t pb[Cfg::kRowNTiles][2];
 #pragma unroll
-      for (int np = 0; np < Cfg::kRowNTiles / 2; ++np) {
-        uint32_t r[4];
-        ptx::ldmatrix_x4_trans(r, pt + np * 16);
-        pb[2 * np][0] = r[0];
-        pb[2 * np][1] = r[1];
-        pb[2 * np + 1][0] = r[2];
-        pb[2 * np + 1][1] = r[3];
-      }
-      if constexpr (Cfg::kRowNTiles % 2 == 1) {  // the last n8 tile alone: lanes 0-15 give its two matrices
-        uint32_t r[2];
-        ptx::ldmatrix_x2_trans(r, pt - p_row + (Cfg::kRowNTiles - 1) * 8);
-        pb[Cfg::kRowNTiles - 1][0] = r[0];
-        pb[Cfg::kRowNTiles - 1][1] = r[1];
-      }
-      const __nv_bfloat16* v_src = sub_kv(j) + v_tok * Cfg::kKvRowElems + dim0 + v_dim;
+      for (int kt = 0; kt < Cfg::kMTilesS; ++kt) {  // k16 steps over the sub-tile's tokens
+        const __nv_bfloat16* pt =
+            pt_smem + buf * Cfg::kPBufElems + (kt * 16 + p_tok) * Cfg::kPRowElems + p_row;
+        uint32_t pb[Cfg::kRowNTiles][2];
 #pragma unroll
-      for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
-        uint32_t va[4];
-        ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
+        for (int np = 0; np < Cfg::kRowNTiles / 2; ++np) {
+          uint32_t r[4];
+          ptx::ldmatrix_x4_trans(r, pt + np * 16);
+          pb[2 * np][0] = r[0];
+          pb[2 * np][1] = r[1];
+          pb[2 * np + 1][0] = r[2];
+          pb[2 * np + 1][1] = r[3];
+        }
+        if constexpr (Cfg::kRowNTiles % 2 == 1) {  // the last n8 tile alone: lanes 0-15 give its two matrices
+          uint32_t r[2];
+          ptx::ldmatrix_x2_trans(r, pt - p_row + (Cfg::kRowNTiles - 1) * 8);
+          pb[Cfg::kRowNTiles - 1][0] = r[0];
+          pb[Cfg::kRowNTiles - 1][1] = r[1];
+        }
+        const __nv_bfloat16* v_src = sub_kv(j) + (kt * 16 + v_tok) * Cfg::kKvRowElems + dim0 + v_dim;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) ptx::mma_bf16_16816(o[mt][nt], va, pb[nt][0], pb[nt][1]);
+        for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
+          uint32_t va[4];
+          ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) ptx::mma_bf16_16816(o[mt][nt], va, pb[nt][0], pb[nt][1]);
+        }
       }
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);  // P buffer free for sub-tile j + kPBufs
