@@ -10,9 +10,9 @@ BASE = dict(heads_per_rank=8, q_len=9)
 def test_shipped_specs_parse_and_sweep():
     s = load_spec("specs/kimi-k2-tp8-verify.yaml")
     vs = s.variants()
-    assert len(vs) == 2 * 4 * 2 * 3 * 2 * 2  # page_size x nsplit x load_width x row_tiles x stages x schedule
+    assert len(vs) == 2 * 4 * 2 * 4 * 2 * 3  # page_size x nsplit x load_width x row_tiles x stages x schedule
     assert {v.page_size for v in vs} == {1, 64} and {v.nsplit for v in vs} == {"auto", 16, 32, 64}
-    assert {v.schedule for v in vs} == {"rowblock", "dimsplit"}
+    assert {v.schedule for v in vs} == {"rowblock", "dimsplit", "dimsplit_t"}
     assert {v.load_width for v in vs} == {"bulk", 128}
     assert all(v.heads == 8 and v.q_len == 9 and v.mask == "tree" for v in vs)
     assert all(v.archs == ("sm_120", "sm_90") for v in vs)
@@ -24,6 +24,9 @@ def test_shipped_specs_parse_and_sweep():
     assert all(v.row_tiles in (1, 2) and v.stages == 2 for v in ok if v.schedule == "rowblock")
     assert len([v for v in ok if v.schedule == "dimsplit"]) == 32
     assert all(v.row_tiles == 5 for v in ok if v.schedule == "dimsplit")
+    # dimsplit_t: 3 score warps of 24 rows, 2 or 3 stages, cp.async loader
+    assert {(v.row_tiles, v.num_warps, v.load_width) for v in ok if v.schedule == "dimsplit_t"} == {(3, 8, 128)}
+    assert len([v for v in ok if v.schedule == "dimsplit_t"]) == 16
     assert all(reason for _, reason in bad) and len(ok) + len(bad) == len(vs)
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
     assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
