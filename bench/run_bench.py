@@ -118,6 +118,8 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fastest verified dtype fp8_e4m3 variant on the same problem with its KV cast "
                          "to e4m3 (columns: µs, x the bf16 dimsplit time, fraction of the fp8 floor)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
@@ -337,6 +339,12 @@ def _versions() -> dict:
 
 def main(argv=None) -> int:
     a = _parse(argv)
+    if a.build_only:  # compile only (e.g. while the GPU runs other work): the timed run then finds every module built
+        grid = _select_grid(a)
+        reports = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
+        print(f"built {sum(len(r.built) for r in reports.values())} variants, "
+              f"{sum(len(r.failed) for r in reports.values())} failed")
+        return 1 if any(r.failed for r in reports.values()) else 0
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
         return 1

@@ -13,8 +13,8 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst2 (2 GPUs): KERNELS=globs [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck on GPU 0; the bench with
-#         FlashInfer columns, backend_step and the SGLang fp8-pool test on GPU 1 (carry .whl and .whl_fi) ≈ 8 min.
+#   dst: KERNELS=globs [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck + the bench's compile in parallel,
+#         then the bench with FlashInfer columns and backend_step (carry .whl and .whl_fi) ≈ 8 min.
 #   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -80,28 +80,21 @@ elif [ "$MODE" = release2 ]; then
   cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
   (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
-elif [ "$MODE" = dst2 ]; then
-  # two GPUs, the dimsplit_t release checks: GPU 0 its GPU tests (three pytest processes building in parallel),
-  # memcheck and racecheck of DST_URI; GPU 1 the small-grid bench with FlashInfer's columns (KERNELS), then
-  # bench/backend_step.py and, while time is left, the SGLang fp8-pool backend test
+elif [ "$MODE" = dst ]; then
+  # the dimsplit_t release checks on one GPU: its GPU tests (three pytest processes), memcheck and racecheck of
+  # DST_URI and the bench's compile run in parallel; then the small-grid bench with FlashInfer's columns
+  # (KERNELS) alone on the GPU, then bench/backend_step.py (carry .whl and .whl_fi)
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
-  ( export CUDA_VISIBLE_DEVICES=0
-    step pytest_dst_full 300 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k test_dimsplit_t_full_case_set &
-    step pytest_dst_rows 300 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "dst_rows or ds_rows" &
-    step pytest_dst_newkv 300 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
-    wait
-    step memcheck_dst 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick
-    step racecheck_dst 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick
-  ) > "$OUT/gpu0.txt" 2>&1 &
-  ( export CUDA_VISIBLE_DEVICES=1
-    step bench_native "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
-      --kernels "$KERNELS" --out "$OUT/native"
-    step backend_step 120 python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
-    step pytest_sgl_fp8 "${SGL_LIMIT:-150}" env MLAGEN_SGLANG_REPLAYS=1000 python3 -m pytest -m gpu -q -rs \
-      tests/test_sglang_backend_gpu.py -k fp8_kv_pool
-  ) > "$OUT/gpu1.txt" 2>&1 &
+  step pytest_dst_full 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k test_dimsplit_t_full_case_set &
+  step pytest_dst_rows 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "dst_rows or ds_rows" &
+  step pytest_dst_newkv 280 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
+  step memcheck_dst 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step racecheck_dst 280 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step bench_build 280 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
-  cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
+  step bench_native "${BENCH_LIMIT:-240}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+    --kernels "$KERNELS" --out "$OUT/native"
+  step backend_step "${STEP_LIMIT:-100}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/backend_step.log" | tail -30
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: its GPU tests (KTESTS: pytest -k expression), memcheck + racecheck of
