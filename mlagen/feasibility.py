@@ -127,9 +127,8 @@ def infeasible_reason(v: Variant) -> str | None:
     if v.overlap and v.load_width != "bulk":
         return f"overlap needs load_width bulk, got {v.load_width}"
     r = resources(v)
-    for arch in v.archs:
-        if r.smem_bytes > SMEM_LIMIT[arch]:
-            return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
+    if (why := _smem_reason(v, r)) is not None:
+        return why
     if (v.dim_v // v.num_warps) % 16:
         return f"kv_lora_rank / num_warps = {v.dim_v / v.num_warps:g} dims is not a multiple of 16"
     if v.block_n % SOFTMAX_LANES:
@@ -197,9 +196,8 @@ def _dimsplit_reason(v: Variant) -> str | None:
         return (f"schedule dimsplit with two warps per row tile fits at most {DIMSPLIT_PAIR_MAX_ROW_TILES} row tiles "
                 f"({2 * DIMSPLIT_PAIR_MAX_ROW_TILES + 1} warps, 168 registers each), got row_tiles {v.row_tiles}")
     r = resources(v)
-    for arch in v.archs:
-        if r.smem_bytes > SMEM_LIMIT[arch]:
-            return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"
+    if (why := _smem_reason(v, r)) is not None:
+        return why
     if r.regs_tiles > DIMSPLIT_REG_TILE_LIMIT:
         return (f"register tiles {r.regs_tiles} words/thread > {DIMSPLIT_REG_TILE_LIMIT} "
                 f"(Q {r.regs_q}, S {r.regs_s}, O {r.regs_o}): would spill")
@@ -228,7 +226,11 @@ def _dimsplit_t_reason(v: Variant) -> str | None:
     if v.num_warps != warps:
         return (f"schedule dimsplit_t runs row_tiles score warps, {DIMSPLIT_T_OUT_WARPS} output warps and a producer: "
                 f"num_warps must be {warps}, got {v.num_warps}")
-    r = resources(v)
+    return _smem_reason(v, resources(v))
+
+
+def _smem_reason(v: Variant, r: Resources) -> str | None:
+    """The shared-memory limit of the first of ``v``'s archs that ``r`` exceeds, as a reason, or None."""
     for arch in v.archs:
         if r.smem_bytes > SMEM_LIMIT[arch]:
             return f"shared memory {r.smem_bytes} B > {SMEM_LIMIT[arch]} B per block on {arch}"

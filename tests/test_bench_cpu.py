@@ -432,3 +432,32 @@ def test_fp8_triton_column_and_extend_args():
     for k in ("fp8_sglang_verify_us", "fp8_sglang_err", "fp8_mlagen_err"):
         r2.pop(k)
     assert "triton fp8: RuntimeError: no fp8" in run_bench._fmt(r2)
+
+
+def test_build_only_compiles_both_sweeps_of_each_bucket_and_needs_no_gpu(monkeypatch, capsys):
+    """--build-only builds the tuning sweep and the dimsplit_t sweep of every selected (H, q_len, page size)
+    bucket (the --kernels glob passed through), never asks for a GPU, and exits 1 when a module failed."""
+    import types
+
+    import run_bench
+    from mlagen.spec import parse_spec
+
+    calls = []
+
+    def fake_build(spec, kernels=None, jobs=None):
+        calls.append((spec.name, kernels))
+        return types.SimpleNamespace(built=[object()] * 2, failed=[])
+
+    monkeypatch.setattr(run_bench, "build", fake_build)
+    monkeypatch.setattr(run_bench.torch.cuda, "is_available", lambda: pytest.fail("--build-only asked for a GPU"))
+    assert run_bench.main(["--grid", "small", "--heads", "8", "--page-sizes", "1", "--build-only",
+                           "--kernels", "*dimsplit_t*"]) == 0
+    assert sorted(calls) == sorted([("bench_h8_q9_ps1", "*dimsplit_t*"), ("bench_dst_h8_q9_ps1", "*dimsplit_t*"),
+                                    ("bench_h8_q1_ps1", "*dimsplit_t*"), ("bench_dst_h8_q1_ps1", "*dimsplit_t*")])
+    assert "built 8 variants, 0 failed" in capsys.readouterr().out
+    (v,) = [v for v in parse_spec(run_bench.dimsplit_t_tuning_spec(8, 9, 1)).variants()
+            if v.nsplit == "auto" and v.block_n == 32 and v.stages == 3]
+    assert v.schedule == "dimsplit_t" and v.row_tiles == 3 and v.num_warps == 8
+    failed = (types.SimpleNamespace(uri="mla_verify_x"), "nvcc: error")
+    monkeypatch.setattr(run_bench, "build", lambda *a, **k: types.SimpleNamespace(built=[], failed=[failed]))
+    assert run_bench.main(["--grid", "small", "--heads", "8", "--page-sizes", "1", "--build-only"]) == 1

@@ -199,7 +199,7 @@ def test_run_sharded_passes_the_ready_columns_to_workers(tmp_path, monkeypatch):
 
     import run_bench
 
-    monkeypatch.setattr(run_bench, "build", lambda *a, **k: _t.SimpleNamespace(failed=[]))
+    monkeypatch.setattr(run_bench, "build", lambda *a, **k: _t.SimpleNamespace(built=[], failed=[]))
     monkeypatch.setattr(run_bench, "_versions", lambda: dict(device="fake"))
     monkeypatch.setattr(run_bench, "_finish", lambda rec, out: None)
     monkeypatch.setattr(run_bench, "_fi_setup", lambda a, smem: (["fa2", "fa2@sm120", "fa3"], 102400))

@@ -183,6 +183,65 @@ struct MlaDimSplitConfig {
                 "dimsplit pairs: the register file cannot hold this many warps' tiles (row_tiles <= 5)");
 };
 
+// What one CTA of a dimsplit-family cluster (dimsplit, dimsplit_t) works on: its block of (token, head) rows,
+// its request's lengths and its split's KV tiles.
+struct ClusterSplit {
+  int rows;        // H x q_len rows of the request
+  int row0;        // first row of this cluster's block
+  int live_rows;   // rows of the block below `rows`
+  int kv_len;      // the request's KV length, draft tokens included
+  int prefix_len;  // kv_len - q_len
+  int tile_begin, tile_end;  // this split's tiles of kBlockN tokens
+  int64_t ws_row_base;       // workspace row of (request, split, row0)
+};
+
+// Fills `w` for the CTA of row block `row_block`, split `split`, request `b`; stores this step's draft rows
+// (k_new at kv_write_loc, each CTA of the request's first cluster its half of the dims). Returns false when
+// the CTA has nothing to do: its block starts past the request's rows, or its split is empty (rank 0 then
+// writes LSE -inf for the block's rows, so the combine skips it). Both CTAs of a cluster return the same.
+template <class Cfg>
+__device__ __forceinline__ bool cluster_split_begin(const MlaVerifyParams& p, int b, int row_block, int split,
+                                                    uint32_t rank, int tid, ClusterSplit& w) {
+  w.rows = p.q_len * Cfg::kHeads;
+  w.row0 = row_block * Cfg::kRowsPerCta;
+  if (w.row0 >= w.rows) return false;
+  w.live_rows = w.rows - w.row0 < Cfg::kRowsPerCta ? w.rows - w.row0 : Cfg::kRowsPerCta;
+  w.kv_len = p.kv_lens[b];
+  w.prefix_len = w.kv_len - p.q_len;
+  split_tile_range(w.kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, w.tile_begin, w.tile_end);
+  if (row_block == 0 && split == 0) {
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid,
+                                   Cfg::kThreads);
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf,
+                                   tid, Cfg::kThreads);
+  }
+  w.ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + w.row0;
+  if (w.tile_begin >= w.tile_end) {
+    if (rank == 0)
+      for (int r = tid; r < w.live_rows; r += Cfg::kThreads) p.lse_part[w.ws_row_base + r] = -INFINITY;
+    return false;
+  }
+  return true;
+}
+
+// Zero the KV ring once: columns past kv_len in a request's last tile are never loaded and then hold finite
+// data (zeros or an earlier tile's rows), which P = 0 cancels exactly.
+template <class Cfg>
+__device__ __forceinline__ void zero_kv_ring(__nv_bfloat16* kv_smem, int tid) {
+  for (int i = tid; i < Cfg::kSmemKv / 16; i += Cfg::kThreads)
+    reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Request b's row of the block table (row req_idx[b] when SGLang's req_pool_indices are passed, else b).
+__device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams& p, int b) {
+  int64_t table_row = b;
+  if (p.req_idx != nullptr) {
+    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
+                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
+  }
+  return p.block_table + table_row * p.block_table_stride;
+}
+
 // The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
 // half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
 // +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
@@ -292,32 +351,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int split = blockIdx.y;
   const int b = blockIdx.z;
   const int q_len = p.q_len;
-  const int rows = q_len * Cfg::kHeads;
-  const int row0 = row_block * Cfg::kRowsPerCta;
-  if (row0 >= rows) return;  // the same for both CTAs of the cluster
-  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
-  const int live_warps = (live_rows + 15) / 16 * Cfg::kWarpsPerTile;  // consumer warps with rows
-
-  const int kv_len = p.kv_lens[b];
-  const int prefix_len = kv_len - q_len;
-  int tile_begin, tile_end;
-  split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
-  // This step's draft rows to the cache (k_new + kv_write_loc): each CTA of the request's first cluster
-  // stores its half of the dims.
-  if (row_block == 0 && split == 0) {
-    store_new_kv_rows<Cfg::kKvFp8>(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid,
-                                   Cfg::kThreads);
-    store_new_kv_rows<Cfg::kKvFp8>(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf,
-                                   tid, Cfg::kThreads);
-  }
-  const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
+  ClusterSplit w;
+  if (!cluster_split_begin<Cfg>(p, b, row_block, split, rank, tid, w)) return;  // the same for both CTAs
+  const int rows = w.rows, row0 = w.row0, live_rows = w.live_rows, kv_len = w.kv_len, prefix_len = w.prefix_len;
+  const int tile_begin = w.tile_begin;
+  const int64_t ws_row_base = w.ws_row_base;
   float* lse_part = p.lse_part + ws_row_base;
-  if (tile_begin >= tile_end) {  // empty split (both CTAs): contributes nothing
-    if (rank == 0)
-      for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
-    return;
-  }
-  const int num_tiles = tile_end - tile_begin;
+  const int live_warps = (live_rows + 15) / 16 * Cfg::kWarpsPerTile;  // consumer warps with rows
+  const int num_tiles = w.tile_end - w.tile_begin;
 
   if (tid == 0) {
     for (int st = 0; st < Cfg::kConsStages; ++st) {
@@ -336,19 +377,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     for (int i = 0; i < 2 * Cfg::kConsumerWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
     ptx::fence_barrier_init();
   }
-  // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
-  // finite data (zeros or an earlier tile's rows), which P = 0 cancels exactly.
-  for (int i = tid; i < Cfg::kSmemKv / 16; i += Cfg::kThreads)
-    reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  zero_kv_ring<Cfg>(kv_smem, tid);
   ptx::fence_proxy_async_smem();  // generic zero stores before the bulk copies' async writes
   ptx::cluster_sync();            // both CTAs' barriers initialized before any remote arrival
-
-  int64_t table_row = b;
-  if (p.req_idx != nullptr) {
-    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
-                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
-  }
-  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+  const int32_t* page_row = request_page_row(p, b);
 
   if (Cfg::kKvFp8 && warp == Cfg::kProducerWarp) {
     // ---- fp8 producer: 16-byte cp.async of this CTA's 288 e4m3 bytes of each token into the e4m3 ring

@@ -171,28 +171,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int split = blockIdx.y;
   const int b = blockIdx.z;
   const int q_len = p.q_len;
-  const int rows = q_len * Cfg::kHeads;
-  const int row0 = row_block * Cfg::kRowsPerCta;
-  if (row0 >= rows) return;  // the same for both CTAs of the cluster
-  const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
-
-  const int kv_len = p.kv_lens[b];
-  const int prefix_len = kv_len - q_len;
-  int tile_begin, tile_end;
-  split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
-  if (row_block == 0 && split == 0) {  // this step's draft rows to the cache: each CTA its half of the dims
-    store_new_kv_rows(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid, Cfg::kThreads);
-    store_new_kv_rows(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf, tid,
-                      Cfg::kThreads);
-  }
-  const int64_t ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + row0;
+  ClusterSplit w;
+  if (!cluster_split_begin<Cfg>(p, b, row_block, split, rank, tid, w)) return;  // the same for both CTAs
+  const int rows = w.rows, row0 = w.row0, live_rows = w.live_rows, kv_len = w.kv_len, prefix_len = w.prefix_len;
+  const int tile_begin = w.tile_begin;
+  const int64_t ws_row_base = w.ws_row_base;
   float* lse_part = p.lse_part + ws_row_base;
-  if (tile_begin >= tile_end) {  // empty split (both CTAs): contributes nothing
-    if (rank == 0)
-      for (int r = tid; r < live_rows; r += Cfg::kThreads) lse_part[r] = -INFINITY;
-    return;
-  }
-  const int num_tiles = tile_end - tile_begin;
+  const int num_tiles = w.tile_end - w.tile_begin;
   const int num_sub = num_tiles * Cfg::kSubTiles;
 
   if (tid == 0) {
@@ -208,18 +193,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     }
     ptx::fence_barrier_init();
   }
-  // Zero the ring once: columns past kv_len in a request's last tile are never loaded and then hold
-  // finite data (zeros or an earlier tile's rows), which P = 0 cancels exactly.
-  for (int i = tid; i < Cfg::kSmemKv / 16; i += Cfg::kThreads)
-    reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  zero_kv_ring<Cfg>(kv_smem, tid);
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
-
-  int64_t table_row = b;
-  if (p.req_idx != nullptr) {
-    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
-                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
-  }
-  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+  const int32_t* page_row = request_page_row(p, b);
 
   // Sub-tile j (kSubTile tokens) lives in stage (j / kSubTiles) % kStages at row offset kSubTile (j % kSubTiles).
   auto sub_kv = [&](int j) {
