@@ -66,8 +66,8 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
 
 def dimsplit_t_tuning_spec(H: int, q_len: int, ps: int) -> dict:
     """The dimsplit_t tiles of a bucket (built beside :func:`tuning_spec`'s): score warps of 24 rows, 4
-    output warps and a producer, cp.async loader; 32-token steps (block_n 32, 3 stages: 99 KB allows no 4th)
-    and 16-token steps (block_n 16, rings of 4-8 stages)."""
+    output warps and a producer, cp.async loader; 32-token steps (block_n 32, 3 stages: 99 KB allows no 4th;
+    the 4-8 stage points are dropped as infeasible) and 16-token steps (block_n 16, rings of 3-8 stages)."""
     rt = dimsplit_t_row_tiles(H * q_len)
     return dict(name=f"bench_dst_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
                 mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[4, 6, 8, 3],
@@ -161,6 +161,8 @@ def _build_buckets(buckets, a) -> dict:
             if key in reports:  # a bucket's second sweep (dimsplit_t): one report per bucket
                 reports[key].built.extend(rep.built)
                 reports[key].failed.extend(rep.failed)
+                if hasattr(rep, "infeasible"):
+                    reports[key].infeasible.extend(rep.infeasible)
             else:
                 reports[key] = rep
     return reports
@@ -341,6 +343,9 @@ def main(argv=None) -> int:
     a = _parse(argv)
     if a.build_only:  # compile only (e.g. while the GPU runs other work): the timed run then finds every module built
         grid = _select_grid(a)
+        if not grid:
+            print("no shape left after --heads / --batches / --page-sizes / --contexts")
+            return 1
         reports = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
         print(f"built {sum(len(r.built) for r in reports.values())} variants, "
               f"{sum(len(r.failed) for r in reports.values())} failed")

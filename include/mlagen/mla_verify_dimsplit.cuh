@@ -245,9 +245,10 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
 // The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
 // half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
 // +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
-// tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is loaded two
-// tiles ahead and turned into a row address only when its tile is issued, so the gather's global-load
-// latency overlaps the empty[stage] wait instead of stalling the warp once per tile.
+// tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is requested
+// two tiles ahead and turned into a row address only when its tile is issued. (nvcc turns the page_next2 ->
+// page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
+// one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.)
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,

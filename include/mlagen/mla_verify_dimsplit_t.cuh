@@ -8,8 +8,9 @@
 //                  fragments (ldmatrix): one K fragment feeds 3 MMAs.
 //   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
 //                  mbarrier), two buffers deep; S = S_0 + S_1 is the same sum in both CTAs.
-//   softmax        in the score warps' registers: a row is an n index, so its max over the 16 tokens is a
-//                  3-shuffle reduction over the 8 lanes of one t4; P^T (bf16, [16 tokens][rows]) and each
+//   softmax        in the score warps' registers: a row is an n index, so its max over the step's tokens is
+//                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
+//                  P^T (bf16, [tokens][rows]) and each
 //                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers).
 //   O^T = V^T P^T  m16 = 16 output dims, n8 = rows, k16 = tokens. Output warp o owns 64 of the CTA's 256
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
@@ -101,8 +102,9 @@ struct MlaDimSplitTConfig {
   static constexpr int kXBufs = 2;  // a warp's send of sub-tile j + 2 follows its peer's read of j (see the loop)
   static constexpr int kXchgFloatsPerWarp = kMTilesS * kNTilesS * 32 * 4;
   static constexpr int kSmemXchg = kXBufs * kScoreWarps * kXchgFloatsPerWarp * 4;
-  // Two P^T buffers: the output warps trail the score warps by at most two sub-tiles, so at most one stage
-  // beyond the one being scored is held by consumers and the rest of the ring is loading (perf-notes v11).
+  // Two P^T buffers: a score warp writes P^T of sub-tile j once the output warps are done with j - 2, so while
+  // it computes j + 1 the output warps may still hold j - 2 .. j (perf-notes v11: three buffers measured the
+  // same).
   static constexpr int kPBufs = 2;
   static constexpr int kPRowElems = (kRowsPerCta * 2 / 16) % 2 == 1 ? kRowsPerCta : kRowsPerCta + 8;
   static constexpr int kPBufElems = kSubTile * kPRowElems;
