@@ -219,9 +219,9 @@ def _dimsplit_t_reason(v: Variant) -> str | None:
         return f"schedule dimsplit_t: block_n must be 16 or 32 (stages of 16 or 32 tokens), got {v.block_n}"
     want = dimsplit_t_row_tiles(v.rows_max)
     if v.row_tiles != want:
-        return (f"schedule dimsplit_t covers {v.rows_max} rows with clusters of {want} score warps of "
-                f"{DIMSPLIT_T_ROWS_PER_SCORE_WARP} rows (at most {DIMSPLIT_T_MAX_SCORE_WARPS}): row_tiles must be "
-                f"{want}, got {v.row_tiles}")
+        return (f"schedule dimsplit_t covers {v.rows_max} rows with score warps of {DIMSPLIT_T_ROWS_PER_SCORE_WARP} "
+                f"rows, at most {DIMSPLIT_T_MAX_SCORE_WARPS} per cluster: row_tiles must be {want} and num_warps "
+                f"{want + DIMSPLIT_T_OUT_WARPS + 1}, got row_tiles {v.row_tiles}")
     warps = v.row_tiles + DIMSPLIT_T_OUT_WARPS + 1
     if v.num_warps != warps:
         return (f"schedule dimsplit_t runs row_tiles score warps, {DIMSPLIT_T_OUT_WARPS} output warps and a producer: "

@@ -16,6 +16,6 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 step bench_dst "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 --skip-sglang \
   --no-flashinfer ${SMEM:+--smem-per-sm "$SMEM"} \
-  --kernels "${KERNELS:-*dimsplit_t*,*_lw128_bn32_w8_rt5_st3_dimsplit_tree*,*_lwbulk_bn32_w16_rt1_st2_c*,*_lwbulk_bn32_w8_rt1_st2_tree*}" \
+  --kernels "${KERNELS:-*_dimsplit_t_*,*_lw128_bn32_w8_rt5_st3_dimsplit_tree*,*_lwbulk_bn32_w16_rt1_st2_c*,*_lwbulk_bn32_w8_rt1_st2_tree*}" \
   --out "$OUT/bench"
 grep -E "^H=|tiles:|built|failed|Error|^\|" "$OUT/bench_dst.log" | tail -40
