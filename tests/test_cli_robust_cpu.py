@@ -200,6 +200,9 @@ def test_error_during_compile_stops_ninja(fake_cuda, tmp_path, monkeypatch):
     pids = tmp_path / "pids"
     monkeypatch.setenv("FAKE_NVCC_SLOW", "*ps64*")
     monkeypatch.setenv("FAKE_NVCC_PIDS", str(pids))
+    # the two fast modules take 1 s, so the two hanging compiles have started (and written their pids) before
+    # the error; without it a loaded machine could finish the fast ones first and leave nothing to check
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "1")
 
     def on_progress(p):
         if p.modules_done >= 2:
@@ -209,6 +212,7 @@ def test_error_during_compile_stops_ninja(fake_cuda, tmp_path, monkeypatch):
         b.build(load_spec(fake_cuda), jobs=4, on_progress=on_progress)
     assert isinstance(ei.value.cause, RuntimeError) and len(ei.value.built) == 4
     hung = [int(p) for p in pids.read_text().split()]
+    assert len(hung) == 4  # two hanging fake nvcc processes, each with its sleep child
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in hung):
         time.sleep(0.1)
