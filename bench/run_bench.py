@@ -146,10 +146,11 @@ def _select_grid(a: argparse.Namespace) -> list[tuple]:
     return grid
 
 
-def _build_buckets(buckets, a) -> dict:
-    """Build (or find cached) the tuning sweep of each (H, q_len, page_size) bucket, and with ``--fp8`` its
-    e4m3 sweep (key (H, q_len, page_size, "fp8_e4m3")); failures printed."""
-    reports = {}
+def _build_buckets(buckets, a) -> tuple[dict, int]:
+    """Build (or find cached) the tuning sweeps of each (H, q_len, page_size) bucket (:func:`tuning_spec`'s and
+    :func:`dimsplit_t_tuning_spec`'s), and with ``--fp8`` its e4m3 sweep (key (H, q_len, page_size,
+    "fp8_e4m3")); failures printed. Returns ({key: the built variants of its sweeps}, variants that failed)."""
+    built, failed = {}, 0
     for H, q, ps in buckets:
         specs = [((H, q, ps), tuning_spec(H, q, ps), a.kernels), ((H, q, ps), dimsplit_t_tuning_spec(H, q, ps), a.kernels)]
         if getattr(a, "fp8", False):
@@ -158,25 +159,20 @@ def _build_buckets(buckets, a) -> dict:
             rep = build(parse_spec(spec), kernels=glob, jobs=a.jobs)
             for v, m in rep.failed:
                 print(f"build failed {v.uri}: {m.splitlines()[0] if m else ''}")
-            if key in reports:  # a bucket's second sweep (dimsplit_t): one report per bucket
-                reports[key].built.extend(rep.built)
-                reports[key].failed.extend(rep.failed)
-                if hasattr(rep, "infeasible"):
-                    reports[key].infeasible.extend(rep.infeasible)
-            else:
-                reports[key] = rep
-    return reports
+            failed += len(rep.failed)
+            built.setdefault(key, []).extend(rep.built)
+    return built, failed
 
 
 def _build_and_verify(buckets, a, smem_cap) -> dict[tuple, list[VerifyKernel]] | None:
     """Build the tuning sweep of every (H, q_len, page_size) bucket and keep the variants that pass
     the quick verification set on this GPU; None when a bucket has no verified nsplit-auto variant."""
     kernels: dict[tuple, list[VerifyKernel]] = {}
-    for key, rep in _build_buckets(buckets, a).items():
+    for key, built in _build_buckets(buckets, a)[0].items():
         H, q, ps = key[:3]
         ks = []
         verified: dict[str, bool] = {}
-        for b in rep.built:
+        for b in built:
             k = VerifyKernel(b.variant, b.so_path)
             if smem_cap is not None:
                 try:
@@ -274,12 +270,7 @@ def _measure_shape(shape, kernels, ceil, ok_sgl, fi_cols=(), fi_smem=SM120_SMEM_
         try:
             if q > 1:
                 ref = sgl.run_extend_verify(p)
-                mine = torch.empty_like(ref)
-                k_best = [k for k in cands if k.variant.uri == best_uri][0]
-                P = p["page_size"]
-                table = p["req_to_token"] if P == 1 else (p["req_to_token"][:, ::P] // P).contiguous()
-                k_best(p["q"], p["kv_cache"], table, p["kv_lens"], q_len=q, softmax_scale=p["softmax_scale"],
-                       tree_mask=p["tree_mask"], out=mine)
+                mine = mlagen_args(p, next(k for k in cands if k.variant.uri == best_uri))()[0]
                 row["max_abs_diff_vs_sglang"] = float((mine.float() - ref.float()).abs().max())
                 row["sglang_verify_us"] = sgl.time_extend_verify(p)
             dec = {s: sgl.time_decode_splitkv(p, s) for s in DECODE_SPLITS}
@@ -318,12 +309,7 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
         try:
             exact = sgl.reference_verify(pf)
             tri = sgl.run_extend_verify(pf)
-            mine = torch.empty_like(tri)
-            k_best = [k for k in ks if k.variant.uri == uri][0]
-            P = pf["page_size"]
-            table = pf["req_to_token"] if P == 1 else (pf["req_to_token"][:, ::P] // P).contiguous()
-            k_best(pf["q"], pf["kv_cache"], table, pf["kv_lens"], q_len=pf["q_len"],
-                   softmax_scale=pf["softmax_scale"], tree_mask=pf["tree_mask"], out=mine)
+            mine = mlagen_args(pf, next(k for k in ks if k.variant.uri == uri))()[0]
             res.update(fp8_sglang_verify_us=sgl.time_extend_verify(pf),
                        fp8_sglang_err=float((tri.float() - exact).abs().max()),
                        fp8_mlagen_err=float((mine.float() - exact).abs().max()))
@@ -346,10 +332,9 @@ def main(argv=None) -> int:
         if not grid:
             print("no shape left after --heads / --batches / --page-sizes / --contexts")
             return 1
-        reports = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
-        print(f"built {sum(len(r.built) for r in reports.values())} variants, "
-              f"{sum(len(r.failed) for r in reports.values())} failed")
-        return 1 if any(r.failed for r in reports.values()) else 0
+        built, failed = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
+        print(f"built {sum(len(b) for b in built.values())} variants, {failed} failed")
+        return 1 if failed else 0
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
         return 1
