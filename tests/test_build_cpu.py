@@ -189,13 +189,14 @@ def test_real_build_dimsplit_sm120_sm90(tmp_path, monkeypatch):
         assert ptxas.forbidden_in_ptx(text) == []
 
 
-def _compile_without_spills(nvcc, v, tmp_path, what: str):
-    """nvcc -c of variant ``v``'s rendered source (every arch of the variant); asserts it compiles and that
-    ptxas reports no spills and no stack for any arch. Returns the source path."""
+def _compile_without_spills(nvcc, v, tmp_path, what: str, appended: str = ""):
+    """nvcc -c of variant ``v``'s rendered source plus ``appended`` (e.g. a static_assert on its Cfg), for every
+    arch of the variant; asserts it compiles and that ptxas reports no spills and no stack for any arch.
+    Returns the source path."""
     import subprocess
 
     src = tmp_path / f"{v.build_key}.cu"
-    src.write_text(codegen.render_variant(v))
+    src.write_text(codegen.render_variant(v) + appended)
     flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
     r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
                        capture_output=True, text=True)
@@ -203,6 +204,18 @@ def _compile_without_spills(nvcc, v, tmp_path, what: str):
     for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
         assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
     return src
+
+
+def _allowed_ptx(nvcc, src, arch: str) -> str:
+    """The PTX of ``src`` for ``arch`` (e.g. compute_90); asserts it has none of the instructions sm_120 lacks."""
+    import subprocess
+
+    flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}", *ninja_gen.python_includes(),
+             f"-arch={arch}", "-ptx"]
+    ptx = subprocess.run([nvcc, *flags, str(src), "-o", "-"], capture_output=True, text=True)
+    assert ptx.returncode == 0, ptx.stderr[-1500:]
+    assert ptxas.forbidden_in_ptx(ptx.stdout) == []
+    return ptx.stdout
 
 
 @pytest.mark.slow
@@ -237,8 +250,6 @@ def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
     """The e4m3-KV dimsplit build (producer + two converter warps; cvt e4m3x2 -> f16x2 for the stages,
     bf16x2 -> e4m3x2 with satfinite for the KV store) and the two-producer bf16 build (num_warps =
     row_tiles + 2) compile for sm_120 and sm_90 with no spills and only the allowed instructions."""
-    import subprocess
-
     try:
         nvcc = ninja_gen.nvcc_path()
     except ninja_gen.ToolchainError:
@@ -247,14 +258,9 @@ def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
                 row_tiles=5, mask="tree", schedule="dimsplit", arch=["sm_120", "sm_90"])
     for extra in (dict(dtype="fp8_e4m3", num_warps=8), dict(num_warps=7)):
         (v,) = parse_spec(dict(base, **extra)).variants()
-        src = _compile_without_spills(nvcc, v, tmp_path, "nvcc refuses it")
-        ptx_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}",
-                     *ninja_gen.python_includes(), "-arch=compute_90", "-ptx"]
-        ptx = subprocess.run([nvcc, *ptx_flags, str(src), "-o", "-"], capture_output=True, text=True)
-        assert ptx.returncode == 0, ptx.stderr[-1500:]
-        assert ptxas.forbidden_in_ptx(ptx.stdout) == []
+        ptx = _allowed_ptx(nvcc, _compile_without_spills(nvcc, v, tmp_path, "nvcc refuses it"), "compute_90")
         if v.dtype == "fp8_e4m3":
-            assert "cvt.rn.f16x2.e4m3x2" in ptx.stdout and "cvt.rn.satfinite.e4m3x2" in ptx.stdout
+            assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2" in ptx
 
 
 @pytest.mark.slow
@@ -264,8 +270,6 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
     3 stages of 32 tokens, two m16 token tiles per score step) and q_len 1 (one score warp, 8 stages of
     16 tokens, two accumulator chains); its shared memory equals the Python model's (a static_assert appended
     to the rendered source), which is what the feasibility filter drops variants by."""
-    import subprocess
-
     from mlagen.feasibility import infeasible_reason, resources
 
     try:
@@ -277,18 +281,8 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
                   dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal", block_n=16, stages=8)):
         (v,) = parse_spec(dict(base, **extra)).variants()
         assert infeasible_reason(v) is None
-        src = tmp_path / f"{v.build_key}.cu"
-        src.write_text(codegen.render_variant(v) + f"\nstatic_assert(Cfg::kSmemBytes == {resources(v).smem_bytes}, "
-                       '"the Python shared-memory model of dimsplit_t differs from MlaDimSplitTConfig");\n')
-        flags = [f for f in ninja_gen.nvcc_flags(v) if f != "-shared"]
-        r = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(tmp_path / f"{v.build_key}.o")],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, f"{v.uri}:\n{r.stderr[-1500:]}"
-        for arch, s in ptxas.summarize(ptxas.parse_ptxas(r.stdout + r.stderr)).items():
-            assert s["spill_stores"] == s["spill_loads"] == s["stack"] == 0, (v.uri, arch, s)
-        ptx_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{paths.INCLUDE_DIR}",
-                     *ninja_gen.python_includes(), "-arch=compute_120", "-ptx"]
-        ptx = subprocess.run([nvcc, *ptx_flags, str(src), "-o", "-"], capture_output=True, text=True)
-        assert ptx.returncode == 0, ptx.stderr[-1500:]
-        assert ptxas.forbidden_in_ptx(ptx.stdout) == []
-        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx.stdout and "st.async.shared::cluster" in ptx.stdout
+        model = (f"\nstatic_assert(Cfg::kSmemBytes == {resources(v).smem_bytes}, "
+                 '"the Python shared-memory model of dimsplit_t differs from MlaDimSplitTConfig");\n')
+        src = _compile_without_spills(nvcc, v, tmp_path, "nvcc refuses it", appended=model)
+        ptx = _allowed_ptx(nvcc, src, "compute_120")
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "st.async.shared::cluster" in ptx
