@@ -232,6 +232,37 @@ __device__ __forceinline__ void zero_kv_ring(__nv_bfloat16* kv_smem, int tid) {
     reinterpret_cast<uint4*>(kv_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
+// Sub-tile j (kSubTile tokens) of the consumers' ring: stage (j / kSubTiles) % kConsStages, row offset
+// kSubTile (j % kSubTiles).
+template <class Cfg>
+__device__ __forceinline__ const __nv_bfloat16* ring_sub_tile(const __nv_bfloat16* kv_smem, int j) {
+  return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kConsStages) * Cfg::kStageElems +
+         (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
+}
+
+// Wait until the stage of sub-tile j has landed (at the first sub-tile of a stage; later ones are there).
+template <class Cfg>
+__device__ __forceinline__ void wait_sub_tile_full(uint64_t* full_bar, int j) {
+  if (j % Cfg::kSubTiles == 0) {
+    const int i = j / Cfg::kSubTiles;
+    ptx::mbarrier_wait_parity(full_bar + i % Cfg::kConsStages, static_cast<uint32_t>(i / Cfg::kConsStages) & 1u);
+  }
+}
+
+// First dim of k16 step ks of CTA `rank`'s half of a KV row: its 256 latent dims, then its 32 rope dims.
+template <class Cfg>
+__device__ __forceinline__ int cta_dim_of_kstep(uint32_t rank, int ks) {
+  return ks < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
+                                : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
+}
+
+// q of (token, head) row r of request b (q_len tokens per request): query token r / H, head r % H.
+template <class Cfg>
+__device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& p, int b, int q_len, int r) {
+  const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
+  return p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+}
+
 // Request b's row of the block table (row req_idx[b] when SGLang's req_pool_indices are passed, else b).
 __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams& p, int b) {
   int64_t table_row = b;
@@ -483,15 +514,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + tile * 16 + g + half * 8;
       const bool row_ok = r < rows;
-      const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
-      const __nv_bfloat16* q_row =
-          p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+      const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
 #pragma unroll
       for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-        const int dim = ks < Cfg::kLatentSteps
-                            ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
-                            : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
-        const int k0 = dim + 2 * t4;
+        const int k0 = cta_dim_of_kstep<Cfg>(rank, ks) + 2 * t4;
         if (ks < Cfg::kQRegSteps) {
           q_frag[ks][half] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0) : 0u;
           q_frag[ks][half + 2] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + k0 + 8) : 0u;
@@ -523,17 +549,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     const int m4 = lane / 8;  // ldmatrix matrix index of this lane's row address
     const int tok0 = wh * (Cfg::kSubTile / Cfg::kWarpsPerTile);  // this warp's first score token of a sub-tile
 
-    // Sub-tile j (16 tokens) lives in stage (j / kSubTiles) % kConsStages at row offset 16 (j % kSubTiles).
-    auto sub_kv = [&](int j) {
-      return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kConsStages) * Cfg::kStageElems +
-             (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
-    };
-    auto wait_full = [&](int j) {  // the stage of sub-tile j has landed (first sub-tile of a stage only)
-      if (j % Cfg::kSubTiles == 0) {
-        const int i = j / Cfg::kSubTiles;
-        ptx::mbarrier_wait_parity(full_bar + i % Cfg::kConsStages, static_cast<uint32_t>(i / Cfg::kConsStages) & 1u);
-      }
-    };
+    auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };
+    auto wait_full = [&](int j) { wait_sub_tile_full<Cfg>(full_bar, j); };
     // S_c of this warp's tokens of sub-tile j over this CTA's 288 dims, in two independent accumulator
     // chains (even / odd k steps) so consecutive MMAs do not wait on each other.
     auto compute_scores = [&](int j, float (&s)[Cfg::kNTilesS][4]) {
@@ -789,7 +806,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
               make_float2(o_acc[nt][2 * half] * inv_l, o_acc[nt][2 * half + 1] * inv_l);
         }
         if (rank == 0 && wh == 0 && t4 == 0) {
-          lse_part[r] = l > 0.f ? (m_run[half] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+          lse_part[r] = row_lse(m_run[half], l);
         }
       }
     }

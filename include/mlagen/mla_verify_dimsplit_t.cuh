@@ -59,6 +59,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kStages_;
+  static constexpr int kConsStages = kStages;  // stages of the ring the consumers read (ring_sub_tile)
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -199,17 +200,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
   const int32_t* page_row = request_page_row(p, b);
 
-  // Sub-tile j (kSubTile tokens) lives in stage (j / kSubTiles) % kStages at row offset kSubTile (j % kSubTiles).
-  auto sub_kv = [&](int j) {
-    return kv_smem + ((j / Cfg::kSubTiles) % Cfg::kStages) * Cfg::kStageElems +
-           (j % Cfg::kSubTiles) * Cfg::kSubTile * Cfg::kKvRowElems;
-  };
-  auto wait_full = [&](int j) {  // the stage of sub-tile j has landed (first sub-tile of a stage only)
-    if (j % Cfg::kSubTiles == 0) {
-      const int i = j / Cfg::kSubTiles;
-      ptx::mbarrier_wait_parity(full_bar + i % Cfg::kStages, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
-    }
-  };
+  auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };
+  auto wait_full = [&](int j) { wait_sub_tile_full<Cfg>(full_bar, j); };
   auto release_stage = [&](int j) {  // this warp is done reading the stage of sub-tile j (after its last one)
     if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {
       __syncwarp();
@@ -232,14 +224,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
       const int r = row0 + rloc0 + nt * 8 + g;
       const bool row_ok = r < rows;
-      const int qi = r / Cfg::kHeads, h = r % Cfg::kHeads;
-      const __nv_bfloat16* q_row =
-          p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
+      const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
 #pragma unroll
       for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-        const int dim = ks < Cfg::kLatentSteps
-                            ? static_cast<int>(rank) * Cfg::kLatentHalf + ks * 16
-                            : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf + (ks - Cfg::kLatentSteps) * 16;
+        const int dim = cta_dim_of_kstep<Cfg>(rank, ks);
         q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
         q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
       }
@@ -423,7 +411,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         if (g == 0) {
           lsum_smem[rl] = l;
           if (rank == 0 && rl < live_rows) {
-            lse_part[rl] = l > 0.f ? (m_run[nt][e] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+            lse_part[rl] = row_lse(m_run[nt][e], l);
           }
         }
       }

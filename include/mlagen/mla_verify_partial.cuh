@@ -48,6 +48,12 @@ __device__ __forceinline__ void zero_fragments(float (&f)[kA][kB][4]) {
       for (int e = 0; e < 4; ++e) f[a][b][e] = 0.f;
 }
 
+// A row's log-sum-exp (natural log) from its running max in log2 units and its sum of exp2(s - max); -inf for a
+// row with nothing visible (l = 0): the dimsplit-family kernels' lse_part, read by the combine.
+__device__ __forceinline__ float row_lse(float m_log2, float l) {
+  return l > 0.f ? (m_log2 + log2f(l)) * 0.6931471805599453f : -INFINITY;
+}
+
 template <class Cfg>
 __device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_len, int query_idx,
                                             int64_t mask_row) {
