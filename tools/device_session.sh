@@ -15,7 +15,7 @@
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
 #   dst: KERNELS=globs [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck + the bench's compile in parallel,
 #         then the bench with FlashInfer columns and backend_step (carry .whl and .whl_fi) ≈ 8 min.
-#   schedule: KERNELS=globs [KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
+#   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
@@ -97,10 +97,18 @@ elif [ "$MODE" = dst ]; then
   step backend_step "${STEP_LIMIT:-100}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/backend_step.log" | tail -30
 elif [ "$MODE" = schedule ]; then
-  # a kernel schedule on its own: its GPU tests (KTESTS: pytest -k expression), memcheck + racecheck of
-  # MEMCHECK_URIS, then the H=8 bench shapes with only the tiles of KERNELS (globs), no baselines
-  step pytest_sched "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -x tests/test_kernel_gpu.py -k "${KTESTS:-dimsplit or ds_rows or dsp_rows}"
-  grep -E "passed|failed|Error|assert" "$OUT/pytest_sched.log" | tail -12
+  # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
+  # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +
+  # racecheck of MEMCHECK_URIS, then the H=8 bench shapes with only the tiles of KERNELS (globs), no baselines
+  if [ -n "${SMOKE_URI:-}" ]; then
+    step smoke 200 python3 tools/device_profile.py "$SMOKE_URI" 0 0 quick
+    tail -14 "$OUT/smoke.log"
+    if grep -q FAIL "$OUT/smoke.log" || ! grep -q "^ok" "$OUT/smoke.log"; then echo "smoke failed: stop"; exit 1; fi
+  fi
+  if [ "${TESTS:-1}" = 1 ]; then
+    step pytest_sched "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -x tests/test_kernel_gpu.py -k "${KTESTS:-dimsplit or ds_rows or dsp_rows}"
+    grep -E "passed|failed|Error|assert" "$OUT/pytest_sched.log" | tail -12
+  fi
   for u in ${MEMCHECK_URIS:-}; do
     step "memcheck_$u" 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
     step "racecheck_$u" 240 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
