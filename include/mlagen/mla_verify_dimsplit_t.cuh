@@ -240,36 +240,38 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       m_run[nt][0] = m_run[nt][1] = -INFINITY;
       l_run[nt][0] = l_run[nt][1] = 0.f;
     }
-    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;  // > 0 (checked on the host)
     const uint32_t xchg_remote = ptx::map_to_cta(ptx::smem_u32(xchg_smem), peer);
     const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
     auto xslot = [&](int j) { return (j % Cfg::kXBufs) * Cfg::kScoreWarps + sw; };
 
-    // S^T_c of sub-tile j over this CTA's 288 dims; A = K of m16 token tile mt (ldmatrix: matrices (tokens
-    // 0-7, k lo), (tokens 8-15, k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)). With one token tile, two
-    // accumulator chains (even / odd k steps) keep consecutive MMAs independent.
+    // S^T_c of sub-tile j over this CTA's 288 dims, k steps [K0, K1); A = K of m16 token tile mt (ldmatrix:
+    // matrices (tokens 0-7, k lo), (tokens 8-15, k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)). With one
+    // token tile, two accumulator chains (s: even k steps, s2: odd) keep consecutive MMAs independent; the
+    // caller adds s2 into s after the last k step.
+    using Acc = float[Cfg::kMTilesS][Cfg::kNTilesS][4];
     constexpr int kChains = Cfg::kMTilesS == 1 ? 2 : 1;
-    auto compute_scores = [&](int j, float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
-      const __nv_bfloat16* a_src = sub_kv(j) + (lane % 16) * Cfg::kKvRowElems + (lane / 16) * 8;
-      float s2[Cfg::kMTilesS][Cfg::kNTilesS][4];
+    auto zero_acc = [&](Acc& s, Acc& s2) {
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nt][e] = s2[mt][nt][e] = 0.f;
+    };
+    auto mma_kstep = [&](int j, int ks, Acc& s, Acc& s2) {  // ks: a compile-time constant after unrolling
+      const __nv_bfloat16* a_src = sub_kv(j) + (lane % 16) * Cfg::kKvRowElems + (lane / 16) * 8;
+      uint32_t a[Cfg::kMTilesS][4];
 #pragma unroll
-      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-        uint32_t a[Cfg::kMTilesS][4];
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt) ptx::ldmatrix_x4(a[mt], a_src + mt * 16 * Cfg::kKvRowElems + ks * 16);
+      Acc& acc = (kChains == 2 && ks % 2) ? s2 : s;
 #pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt) ptx::ldmatrix_x4(a[mt], a_src + mt * 16 * Cfg::kKvRowElems + ks * 16);
-        float(&acc)[Cfg::kMTilesS][Cfg::kNTilesS][4] = (kChains == 2 && ks % 2) ? s2 : s;
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-            ptx::mma_bf16_16816(acc[mt][nt], a[mt], q_frag[ks][nt][0], q_frag[ks][nt][1]);
-      }
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+          ptx::mma_bf16_16816(acc[mt][nt], a[mt], q_frag[ks][nt][0], q_frag[ks][nt][1]);
+    };
+    auto join_chains = [&](Acc& s, const Acc& s2) {
       if constexpr (kChains == 2) {
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
@@ -279,7 +281,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             for (int e = 0; e < 4; ++e) s[mt][nt][e] += s2[mt][nt][e];
       }
     };
-    auto send_scores = [&](int j, const float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
+    auto send_scores = [&](int j, const Acc& s) {
       const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
       const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
 #pragma unroll
@@ -291,10 +293,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           ptx::st_async_cluster_v4(dst, s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3], bar);
         }
     };
-    // S = S_c + S_{1-c}; mask; online softmax; P^T and the rescale factors of sub-tile j to P buffer j % kPBufs.
+    // S = S_c + S_{1-c} (unscaled) of sub-tile j once the peer's half landed; keys the mask hides -> -inf.
     // Fragment (m16 tokens x n8 rows) of token tile mt: s[mt][nt][0] = (token 16 mt + g, row 2 t4), [1] = (g,
     // 2 t4 + 1), [2] = (g + 8, 2 t4), [3] = (g + 8, 2 t4 + 1); a row's tokens are the 8 lanes of one t4.
-    auto softmax = [&](int j, float (&s)[Cfg::kMTilesS][Cfg::kNTilesS][4]) {
+    auto receive_and_mask = [&](int j, Acc& s) {
       uint64_t* xbar = xfull_bar + xslot(j);
       if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
       ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
@@ -304,10 +306,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
           const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
-          s[mt][nt][0] = (s[mt][nt][0] + v.x) * scale_log2;
-          s[mt][nt][1] = (s[mt][nt][1] + v.y) * scale_log2;
-          s[mt][nt][2] = (s[mt][nt][2] + v.z) * scale_log2;
-          s[mt][nt][3] = (s[mt][nt][3] + v.w) * scale_log2;
+          s[mt][nt][0] += v.x;
+          s[mt][nt][1] += v.y;
+          s[mt][nt][2] += v.z;
+          s[mt][nt][3] += v.w;
         }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
       if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
@@ -328,67 +330,88 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             }
           }
       }
+      if (j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in P buffer j % kPBufs
+        ptx::mbarrier_wait_parity(pempty_bar + j % Cfg::kPBufs, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
+      }
+    };
+    // Online softmax of one row (n8 tile nt, column parity e) of sub-tile j: the max over the step's tokens
+    // (registers, then 3 shuffles over the 8 lanes of a t4), P = 2^(S scale_log2 - m) by one FFMA and one
+    // ex2.approx.ftz each (m, m_run: scaled, log2 units), the row's rescale factor and running sum.
+    auto softmax_row = [&](Acc& s, int nt, int e, float& alpha) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][e], s[mt][nt][2 + e]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[nt][e], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+      alpha = ptx::ex2_approx_ftz(m_run[nt][e] - m_use);
+      m_run[nt][e] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
+        s[mt][nt][e] = ptx::ex2_approx_ftz(fmaf(s[mt][nt][e], scale_log2, -m_use));
+        s[mt][nt][2 + e] = ptx::ex2_approx_ftz(fmaf(s[mt][nt][2 + e], scale_log2, -m_use));
+        sum += s[mt][nt][e] + s[mt][nt][2 + e];
+      }
+      l_run[nt][e] = l_run[nt][e] * alpha + sum;
+    };
+    // P^T (bf16, [tokens][rows]) of n8 tile nt and its rows' rescale factors into P buffer j % kPBufs.
+    auto write_p = [&](int j, const Acc& s, int nt, const float (&alpha)[2]) {
       const int buf = j % Cfg::kPBufs;
-      if (j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in this buffer
-        ptx::mbarrier_wait_parity(pempty_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
-      }
       __nv_bfloat16* pt = pt_smem + buf * Cfg::kPBufElems;
-      float* alpha_out = alpha_smem + buf * Cfg::kRowsPerCta;
+      const int rl = rloc0 + nt * 8 + 2 * t4;  // rows rl, rl + 1 of the block
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        float alpha[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int mt = 0; mt < Cfg::kMTilesS; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][e], s[mt][nt][2 + e]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-          const float m_new = fmaxf(m_run[nt][e], mx);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
-          alpha[e] = exp2f(m_run[nt][e] - m_use);
-          m_run[nt][e] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
-            s[mt][nt][e] = exp2f(s[mt][nt][e] - m_use);
-            s[mt][nt][2 + e] = exp2f(s[mt][nt][2 + e] - m_use);
-            sum += s[mt][nt][e] + s[mt][nt][2 + e];
-          }
-          l_run[nt][e] = l_run[nt][e] * alpha[e] + sum;
-        }
-        const int rl = rloc0 + nt * 8 + 2 * t4;  // rows rl, rl + 1 of the block
-#pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
-          __nv_bfloat16* pt_tok = pt + (mt * 16 + g) * Cfg::kPRowElems + rl;
-          *reinterpret_cast<uint32_t*>(pt_tok) = ptx::pack_bf16x2(s[mt][nt][0], s[mt][nt][1]);
-          *reinterpret_cast<uint32_t*>(pt_tok + 8 * Cfg::kPRowElems) = ptx::pack_bf16x2(s[mt][nt][2], s[mt][nt][3]);
-        }
-        if (g == 0) *reinterpret_cast<float2*>(alpha_out + rl) = make_float2(alpha[0], alpha[1]);
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
+        __nv_bfloat16* pt_tok = pt + (mt * 16 + g) * Cfg::kPRowElems + rl;
+        *reinterpret_cast<uint32_t*>(pt_tok) = ptx::pack_bf16x2(s[mt][nt][0], s[mt][nt][1]);
+        *reinterpret_cast<uint32_t*>(pt_tok + 8 * Cfg::kPRowElems) = ptx::pack_bf16x2(s[mt][nt][2], s[mt][nt][3]);
       }
+      if (g == 0) *reinterpret_cast<float2*>(alpha_smem + buf * Cfg::kRowsPerCta + rl) = make_float2(alpha[0], alpha[1]);
+    };
+    auto publish_p = [&](int j) {
       __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + buf);  // release: P^T and the factors of sub-tile j
+      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
     };
 
-    // Software pipeline: the scores of j + 1 are computed before the softmax of j and sent after it, so the
-    // peer's half of sub-tile j crosses the cluster while this warp computes j + 1. Exchange buffer reuse (two
-    // buffers): this warp sends j + 1 into the peer's buffer (j + 1) % 2 after its softmax of j received the
-    // peer's j, which the peer sent after its softmax of j - 1 had read that buffer.
-    float s_cur[Cfg::kMTilesS][Cfg::kNTilesS][4], s_next[Cfg::kMTilesS][Cfg::kNTilesS][4];
+    // Software pipeline, per sub-tile j: the first half of the next sub-tile's K steps (j + 1), then S of j
+    // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the second half of
+    // j + 1's K steps with the softmax of j interleaved in one basic block (the MMAs of j + 1 do not depend
+    // on the softmax of j, so the scheduler fills the tensor pipe's gaps with the softmax's shuffles, ex2 and
+    // stores), then j + 1 goes to the peer. Exchange buffer reuse (two buffers): this warp sends j + 1 into
+    // the peer's buffer (j + 1) % 2 after receiving the peer's j, which the peer sent after its softmax of
+    // j - 1 had read that buffer.
+    constexpr int kHalfK = Cfg::kKSteps / 2;
+    static_assert(Cfg::kKSteps - kHalfK >= 3 * Cfg::kNTilesS, "the second half's K steps carry the softmax's 9 pieces");
+    Acc s_cur, s_next, s_odd;
     wait_full(0);
-    compute_scores(0, s_cur);
+    zero_acc(s_cur, s_odd);
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kKSteps; ++ks) mma_kstep(0, ks, s_cur, s_odd);
+    join_chains(s_cur, s_odd);
     send_scores(0, s_cur);
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
-      release_stage(j);  // compute_scores(j) has read its K
-      const bool more = j + 1 < num_sub;
-      if (more) {
+      release_stage(j);  // the K steps of j have read its K
+      float alpha[Cfg::kNTilesS][2];
+      if (j + 1 < num_sub) {
         wait_full(j + 1);
-        compute_scores(j + 1, s_next);
-      }
-      softmax(j, s_cur);
-      if (more) {
+        zero_acc(s_next, s_odd);
+#pragma unroll
+        for (int ks = 0; ks < kHalfK; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
+        receive_and_mask(j, s_cur);
+#pragma unroll
+        for (int i = 0; i < Cfg::kKSteps - kHalfK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
+          mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
+          if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
+          if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
+            const int nt = i - 2 * Cfg::kNTilesS;
+            write_p(j, s_cur, nt, alpha[nt]);
+          }
+        }
+        join_chains(s_next, s_odd);
+        publish_p(j);
         send_scores(j + 1, s_next);
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
@@ -396,6 +419,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
+      } else {  // the split's last sub-tile
+        receive_and_mask(j, s_cur);
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+          softmax_row(s_cur, nt, 0, alpha[nt][0]);
+          softmax_row(s_cur, nt, 1, alpha[nt][1]);
+          write_p(j, s_cur, nt, alpha[nt]);
+        }
+        publish_p(j);
       }
     }
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
