@@ -46,6 +46,7 @@ template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPage
           bool kKvFp8_ = false>
 struct MlaDimSplitConfig {
   static constexpr bool kDimSplit = true;
+  static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
   // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).
   static constexpr bool kKvFp8 = kKvFp8_;
@@ -304,9 +305,25 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
   };
   int32_t page_next = page_of(tile_begin);
   int32_t page_next2 = num_tiles > 1 ? page_of(tile_begin + 1) : 0;
+  // L2 prefetch kPf tiles ahead (Cfg::kL2PrefetchTiles; 0: none): before the ring wait of tile i, each lane
+  // asks L2 for the 128-byte lines of its token's two halves in tile i + kPf (4 latent lines + the rope line),
+  // so the copies issued once a stage frees read L2 rather than DRAM. The page entry is requested a tile early.
+  constexpr int kPf = Cfg::kL2PrefetchTiles;
+  int32_t page_pf = kPf > 0 && num_tiles > kPf ? page_of(tile_begin + kPf) : 0;
   for (int i = 0; i < num_tiles; ++i) {
     const int tile = tile_begin + i;
     const int stage = i % Cfg::kStages;
+    if constexpr (kPf > 0) {
+      const int pos = pos_of(tile + kPf);
+      if (i + kPf < num_tiles && from_table(pos)) {
+        const __nv_bfloat16* row =
+            row_at(reinterpret_cast<int64_t>(kv_row_src(p, static_cast<int64_t>(page_pf) * Cfg::kPageSize + pos % Cfg::kPageSize)));
+#pragma unroll
+        for (int c = 0; c < Cfg::kLatentBytes / 128; ++c) ptx::prefetch_l2(row + rank * Cfg::kLatentHalf + c * 64);
+        if constexpr (Cfg::kRopeHalf > 0) ptx::prefetch_l2(row + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf);
+      }
+      page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
+    }
     if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
     const int64_t slot = addr_of(tile, page_next);
     page_next = page_next2;

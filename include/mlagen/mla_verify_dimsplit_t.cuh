@@ -60,6 +60,10 @@ struct MlaDimSplitTConfig {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kStages_;
   static constexpr int kConsStages = kStages;  // stages of the ring the consumers read (ring_sub_tile)
+  // The producer prefetches into L2 the tile kStages ahead of the one it copies: a stage is held by the score
+  // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
+  // one step before the score warps need it, less than the DRAM latency (perf-notes v12b).
+  static constexpr int kL2PrefetchTiles = kStages;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each

@@ -41,6 +41,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Hint: bring the 128-byte line holding `p` (global memory) into L2 (PTX ISA "prefetch"); no register result,
+// nothing waits for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 // ---- mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier").
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrive_count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrive_count));
