@@ -280,7 +280,8 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
 // tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is requested
 // two tiles ahead and turned into a row address only when its tile is issued. (nvcc turns the page_next2 ->
 // page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
-// one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.)
+// one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
+// Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,

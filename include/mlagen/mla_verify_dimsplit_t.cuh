@@ -11,13 +11,14 @@
 //   softmax        in the score warps' registers: a row is an n index, so its max over the step's tokens is
 //                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
 //                  P^T (bf16, [tokens][rows]) and each
-//                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers).
+//                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers). The
+//                  softmax of step j runs inside the second half of step j + 1's K steps (one basic block).
 //   O^T = V^T P^T  m16 = 16 output dims, n8 = rows, k16 = tokens. Output warp o owns 64 of the CTA's 256
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
 //                  MMAs and one P fragment 4.
 //   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async into a kStages ring,
-//                  full / empty mbarriers.
+//                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 // Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
 // shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
 // (~106 KB of ldmatrix per 16 tokens per CTA with its Q steps), against ~45 KB here (3 score warps read K,
