@@ -269,7 +269,8 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
     sm_120 and sm_90 with no spills and only the allowed instructions, at H8 q9 (3 score warps, 72 rows,
     3 stages of 32 tokens, two m16 token tiles per score step) and q_len 1 (one score warp, 8 stages of
     16 tokens, two accumulator chains); its shared memory equals the Python model's (a static_assert appended
-    to the rendered source), which is what the feasibility filter drops variants by."""
+    to the rendered source), which is what the feasibility filter drops variants by; the softmax uses
+    ex2.approx.ftz and the producer prefetches into L2."""
     from mlagen.feasibility import infeasible_reason, resources
 
     try:
@@ -286,3 +287,5 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         src = _compile_without_spills(nvcc, v, tmp_path, "nvcc refuses it", appended=model)
         ptx = _allowed_ptx(nvcc, src, "compute_120")
         assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "st.async.shared::cluster" in ptx
+        # one MUFU per exponential (no exp2f range fix-up) and the producer's L2 prefetch of the tile kStages ahead
+        assert "ex2.approx.ftz.f32" in ptx and "prefetch.global.L2" in ptx
