@@ -13,7 +13,7 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst: KERNELS=globs [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck + the bench's compile in parallel,
+#   dst: [KERNELS=globs DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck + the bench's compile in parallel,
 #         then the bench with FlashInfer columns and backend_step (carry .whl and .whl_fi) ≈ 8 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
@@ -21,6 +21,10 @@
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
+# compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
+SAN="compute-sanitizer --launch-timeout 120"
+# The tiles that win somewhere on the small grid (H 8 / 16 / 64, q_len 9 and 1): dimsplit_t, dimsplit, rowblock
+RELEASE_KERNELS="*_lw128_bn32_w8_rt3_st3_dimsplit_t_*,*_lw128_bn32_w6_rt1_st[34]_dimsplit_t_*,*_lw128_bn32_w8_rt[56]_st3_dimsplit_tree*,*_lwbulk_bn32_w8_rt[12]_st2_tree*,*_lwbulk_bn32_w16_rt1_st2_causal*"
 sglang_test() {
   python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
   step pytest_metadata 150 python3 -m pytest -m gpu -q -rs tests/test_metadata_gpu.py  # the fused per-step metadata
@@ -36,7 +40,7 @@ sglang_test() {
 }
 memcheck() {  # compute-sanitizer memcheck, quick verification set, of each URI given
   for u in "$@"; do
-    step "memcheck_$u" 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    step "memcheck_$u" 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
   done
 }
 MODE=${1:-tests}
@@ -56,7 +60,7 @@ if [ "$MODE" = tests2 ]; then
 elif [ "$MODE" = tests ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
   step pytest_kernel 240 python3 -m pytest -m gpu -q tests/test_kernel_gpu.py
-  step sanitizer 120 compute-sanitizer --tool memcheck python3 tools/device_profile.py \
+  step sanitizer 120 $SAN --tool memcheck python3 tools/device_profile.py \
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
 elif [ "$MODE" = release2 ]; then
@@ -66,7 +70,7 @@ elif [ "$MODE" = release2 ]; then
   ( export CUDA_VISIBLE_DEVICES=0
     sglang_test
     for u in ${MEMCHECK_URIS:-}; do
-      step "memcheck_$u" "${SAN_LIMIT:-100}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+      step "memcheck_$u" "${SAN_LIMIT:-100}" $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
     done ) > "$OUT/gpu0.txt" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=1
     step bench_native "${BENCH_LIMIT:-230}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
@@ -74,7 +78,7 @@ elif [ "$MODE" = release2 ]; then
     step bench_sm120 "${BENCH_LIMIT:-230}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
       --smem-per-sm sm120 --kernels "$KERNELS" --out "$OUT/sm120"
     for u in ${MEMCHECK_URIS:-}; do
-      step "racecheck_$u" "${SAN_LIMIT:-100}" compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+      step "racecheck_$u" "${SAN_LIMIT:-100}" $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
     done ) > "$OUT/gpu1.txt" 2>&1 &
   wait
   cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
@@ -85,11 +89,12 @@ elif [ "$MODE" = dst ]; then
   # DST_URI and the bench's compile run in parallel; then the small-grid bench with FlashInfer's columns
   # (KERNELS) alone on the GPU, then bench/backend_step.py (carry .whl and .whl_fi)
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
+  KERNELS=${KERNELS:-$RELEASE_KERNELS}
   step pytest_dst_full 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k test_dimsplit_t_full_case_set &
   step pytest_dst_rows 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "dst_rows or ds_rows" &
   step pytest_dst_newkv 280 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
-  step memcheck_dst 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
-  step racecheck_dst 280 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step memcheck_dst 200 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step racecheck_dst 280 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
   step bench_build 280 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
   step bench_native "${BENCH_LIMIT:-240}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
@@ -110,8 +115,8 @@ elif [ "$MODE" = schedule ]; then
     grep -E "passed|failed|Error|assert" "$OUT/pytest_sched.log" | tail -12
   fi
   for u in ${MEMCHECK_URIS:-}; do
-    step "memcheck_$u" 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
-    step "racecheck_$u" 240 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    step "memcheck_$u" 200 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
+    step "racecheck_$u" 240 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
   done
   step bench_sched "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid "${GRID:-small}" --heads "${HEADS:-8}" \
     ${BATCHES:+--batches "$BATCHES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} \
@@ -124,7 +129,7 @@ elif [ "$MODE" = fp8 ]; then
     -k "fp8 or ds2p or new_kv"
   grep -E "passed|failed|Error|assert" "$OUT/pytest_fp8.log" | tail -12
   FP8_URI=${FP8_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_fp8e4m3_sm120_sm90}
-  step memcheck_fp8 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$FP8_URI" 0 0 quick
+  step memcheck_fp8 200 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$FP8_URI" 0 0 quick
   step bench_fp8 "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 \
     $([ "${SGL:-0}" = 1 ] || echo --skip-sglang) \
     --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
