@@ -250,7 +250,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t xbar_remote = ptx::map_to_cta(ptx::smem_u32(xfull_bar), peer);
     auto xslot = [&](int j) { return (j % Cfg::kXBufs) * Cfg::kScoreWarps + sw; };
 
-    // S^T_c of sub-tile j over this CTA's 288 dims, k steps [K0, K1); A = K of m16 token tile mt (ldmatrix:
+    // One k step ks of S^T_c (sub-tile j over this CTA's 288 dims); A = K of m16 token tile mt (ldmatrix:
     // matrices (tokens 0-7, k lo), (tokens 8-15, k lo), (tokens 0-7, k hi), (tokens 8-15, k hi)). With one
     // token tile, two accumulator chains (s: even k steps, s2: odd) keep consecutive MMAs independent; the
     // caller adds s2 into s after the last k step.
