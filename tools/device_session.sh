@@ -13,8 +13,9 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst: [KERNELS=globs DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck + the bench's compile in parallel,
-#         then the bench with FlashInfer columns and backend_step (carry .whl and .whl_fi) ≈ 8 min.
+#   dst: [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck in parallel ≈ 7 min; then, a second call,
+#   dst_bench: [KERNELS=globs DST_URI=..] memcheck beside the bench's compile, the small-grid bench with FlashInfer's
+#         columns, the same at sm_120 occupancy, L2 -> SM bytes, backend_step if .whl is carried (.whl_fi) ≈ 6 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -85,22 +86,39 @@ elif [ "$MODE" = release2 ]; then
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
   (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
 elif [ "$MODE" = dst ]; then
-  # the dimsplit_t release checks on one GPU: its GPU tests (three pytest processes), memcheck and racecheck of
-  # DST_URI and the bench's compile run in parallel; then the small-grid bench with FlashInfer's columns
-  # (KERNELS) alone on the GPU, then bench/backend_step.py (carry .whl and .whl_fi)
+  # the dimsplit_t release checks on one GPU, first of two calls (each fits the 10-minute call limit): its GPU
+  # tests (full case set, equality with rowblock, other row counts; draft-row store / read), memcheck and
+  # racecheck of DST_URI, all in parallel (~7 min); the bench is `dst_bench`
+  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
+  step pytest_dst 420 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py \
+    -k "dimsplit_t_full or (equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
+  step pytest_dst_newkv 420 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
+  step memcheck_dst 420 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step racecheck_dst 420 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  wait
+  grep -hE "passed|failed|Error|assert" "$OUT/pytest_dst.log" "$OUT/pytest_dst_newkv.log" | tail -6
+  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log"
+elif [ "$MODE" = dst_bench ]; then
+  # the second call (carry .whl_fi; with .whl too, backend_step runs): memcheck of DST_URI beside the bench's
+  # compile, the small-grid bench with FlashInfer's columns (KERNELS), the same tiles at sm_120 occupancy
+  # (mlagen only), L2 -> SM bytes of DST_URI at 64k (ncu), then bench/backend_step.py when SGLang imports (~6 min)
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
   KERNELS=${KERNELS:-$RELEASE_KERNELS}
-  step pytest_dst_full 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k test_dimsplit_t_full_case_set &
-  step pytest_dst_rows 280 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "dst_rows or ds_rows" &
-  step pytest_dst_newkv 280 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
-  step memcheck_dst 200 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
-  step racecheck_dst 280 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
-  step bench_build 280 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
+  step memcheck_dst 230 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step bench_build 230 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
-  step bench_native "${BENCH_LIMIT:-240}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+  step bench_native "${BENCH_LIMIT:-200}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --kernels "$KERNELS" --out "$OUT/native"
-  step backend_step "${STEP_LIMIT:-100}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
-  grep -hE "^\|" "$OUT/bench_native.log" "$OUT/backend_step.log" | tail -30
+  step bench_sm120 "${BENCH_LIMIT:-200}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+    --no-flashinfer --smem-per-sm sm120 --kernels "$KERNELS" --out "$OUT/sm120"
+  step l2_bytes 120 python3 tools/l2_bytes.py "$DST_URI"
+  if python3 -c "import sglang" > /dev/null 2>&1; then
+    step backend_step "${STEP_LIMIT:-100}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
+  fi
+  rm -f "$OUT"/native/*.png "$OUT"/sm120/*.png
+  grep -hE "ERROR SUMMARY" "$OUT/memcheck_dst.log"
+  grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log" | tail -30
+  tail -4 "$OUT/l2_bytes.log"
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +
