@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlagen.spec import Variant
-from mlagen.tables import SMEM_LIMIT
+from mlagen.tables import DIMSPLIT_T_ROWS_PER_SCORE_WARP, SMEM_LIMIT
 
 SOFTMAX_LANES = 8
 REG_TILE_LIMIT = 200  # registers per thread held in Q / S / O fragments (same bound as the C++ config)
@@ -27,7 +27,6 @@ def dimsplit_row_tiles(rows_max: int) -> int:
     return -(-m_tiles // clusters)
 
 
-DIMSPLIT_T_ROWS_PER_SCORE_WARP = 24  # dimsplit_t: a score warp holds 3 n8 row tiles of Q (MlaDimSplitTConfig)
 DIMSPLIT_T_MAX_SCORE_WARPS = 3  # 72 rows: the output warps' O^T (64 dims x 72 rows) is 144 registers
 DIMSPLIT_T_OUT_WARPS = 4
 

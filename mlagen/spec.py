@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from mlagen.tables import ARCHS, CLUSTER_SCHEDULES, DTYPES, MASKS, SCHEDULES
+from mlagen.tables import ARCHS, CLUSTER_SCHEDULES, DIMSPLIT_T_ROWS_PER_SCORE_WARP, DTYPES, MASKS, SCHEDULES
 
 
 class SpecError(ValueError):
@@ -173,7 +173,7 @@ class Variant:
     def rows_per_cta(self) -> int:
         """(token, head) rows of one row block: m16 tiles (rowblock, dimsplit), or 24-row score warps
         (dimsplit_t: 3 n8 tiles each)."""
-        return (24 if self.schedule == "dimsplit_t" else 16) * self.row_tiles
+        return (DIMSPLIT_T_ROWS_PER_SCORE_WARP if self.schedule == "dimsplit_t" else 16) * self.row_tiles
 
     @property
     def row_blocks(self) -> int:

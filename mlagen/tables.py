@@ -24,6 +24,7 @@ SCHEDULES = {
 
 # Schedules that run a two-CTA cluster per (row block, split, request) and read the KV once per split.
 CLUSTER_SCHEDULES = ("dimsplit", "dimsplit_t")
+DIMSPLIT_T_ROWS_PER_SCORE_WARP = 24  # dimsplit_t: a score warp holds 3 n8 row tiles of Q (MlaDimSplitTConfig)
 
 DTYPES = {
     # spec value (the KV cache's dtype; q and out are bf16): (C++ KV element type, uri token)

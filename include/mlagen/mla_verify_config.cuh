@@ -16,6 +16,7 @@ template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPage
           int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120, int kOverlap_ = 0>
 struct MlaVerifyConfig {
   static constexpr bool kDimSplit = false;  // schedule rowblock (mla_verify_partial.cuh)
+  static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only (mla_verify_launch.cuh)
   static constexpr int kClusterCtas = 1;
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank

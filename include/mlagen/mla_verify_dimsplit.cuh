@@ -46,6 +46,7 @@ template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPage
           bool kKvFp8_ = false>
 struct MlaDimSplitConfig {
   static constexpr bool kDimSplit = true;
+  static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only
   static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
   // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).

@@ -12,19 +12,10 @@
 namespace mlagen {
 
 // The partial kernel of a config's schedule: rowblock (MlaVerifyConfig), dimsplit (MlaDimSplitConfig) or
-// dimsplit_t (MlaDimSplitTConfig, the only config with kTransposed).
-template <class Cfg, class = void>
-struct IsTransposed {
-  static constexpr bool value = false;
-};
-template <class Cfg>
-struct IsTransposed<Cfg, decltype(void(Cfg::kTransposed))> {
-  static constexpr bool value = Cfg::kTransposed;
-};
-
+// dimsplit_t (MlaDimSplitTConfig, the only config with kTransposed set).
 template <class Cfg>
 constexpr auto partial_kernel() {
-  if constexpr (IsTransposed<Cfg>::value) {
+  if constexpr (Cfg::kTransposed) {
     return &mla_verify_dimsplit_t_kernel<Cfg>;
   } else if constexpr (Cfg::kDimSplit) {
     return &mla_verify_dimsplit_kernel<Cfg>;
