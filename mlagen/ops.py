@@ -391,48 +391,37 @@ class VerifyKernel:
                 cells (the message of ``pack_qlen_mask``). Nothing is launched.
             RuntimeError: sizes out of range for the kernel, or the launch failed.
         """
-        bs = seq_lens.shape[0]
-        if seq_lens.dtype not in _INDEX_DTYPES or req_pool_indices.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {seq_lens.dtype} and "
-                             f"{req_pool_indices.dtype}")
+        self.metadata_filler(kv_lens, block_table, req_to_token, tree_mask=tree_mask, page_size=page_size)(
+            seq_lens, req_pool_indices, extra=extra, num_padding=num_padding, npages=npages, q_len=q_len,
+            tree_mode=tree_mode, custom_mask=custom_mask)
+
+    def metadata_filler(self, kv_lens, block_table, req_to_token, *, tree_mask=None, page_size: int) -> "MetadataFill":
+        """:meth:`fill_metadata` bound to its output buffers and req_to_token, which are checked here once; each
+        call then checks only the step's own inputs (seq_lens, req_pool_indices, the mask). The SGLang backend
+        keeps one per set of persistent buffers, so a step's host time carries no re-check of its own buffers.
+
+        Args: kv_lens, block_table, req_to_token, tree_mask, page_size as :meth:`fill_metadata`.
+        Returns:
+            A :class:`MetadataFill`; ``filler(seq_lens, req_pool_indices, extra=, num_padding=, npages=, q_len=,
+            tree_mode=, custom_mask=)`` is ``fill_metadata`` with these buffers.
+        Raises:
+            ValueError: a buffer of the wrong dtype or with a non-contiguous (last) dim.
+        """
         if kv_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or req_to_token.dtype != torch.int32:
             raise ValueError(f"kv_lens, block_table and req_to_token must be int32, got {kv_lens.dtype}, "
                              f"{block_table.dtype} and {req_to_token.dtype}")
-        if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous() and kv_lens.is_contiguous()
-                and block_table.stride(-1) == 1 and req_to_token.stride(-1) == 1):
+        if not (kv_lens.is_contiguous() and block_table.stride(-1) == 1 and req_to_token.stride(-1) == 1):
             raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
                              "req_to_token need a contiguous last dim")
-        mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
-        if tree_mask is not None:
-            mode = _TREE_MODES.get(tree_mode)
-            if mode is None:
-                raise ValueError(f"tree_mode must be one of {sorted(_TREE_MODES)} with a tree_mask, got {tree_mode!r}")
-            if tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1:
-                raise ValueError(f"tree_mask must be torch.int64 with a contiguous last dim, got {tree_mask.dtype} "
-                                 f"strides {tree_mask.stride()}")
-            if mode != _TREE_CAUSAL:
-                if (custom_mask is None or custom_mask.dtype not in (torch.bool, torch.uint8)
-                        or not custom_mask.is_contiguous()):
-                    raise ValueError(f"tree_mode {tree_mode!r} needs a contiguous bool/uint8 custom_mask, got "
-                                     f"{getattr(custom_mask, 'dtype', None)}")
-                mask_ptr, mask_numel = custom_mask.data_ptr(), custom_mask.numel()
-                need = (bs - num_padding) * q_len * q_len
-                if mode == _TREE_QLEN and mask_numel < need:
-                    raise ValueError(f"QLEN_ONLY verify mask has {mask_numel} elements, {need} needed "
-                                     f"for {bs - num_padding} requests of {q_len} draft tokens")
-        idx = kv_lens.device.index
-        stream = _raw_stream(idx)
-        args = (seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), req_pool_indices.data_ptr(),
-                int(req_pool_indices.dtype == torch.int64), req_to_token.data_ptr(), req_to_token.stride(0),
-                req_to_token.shape[0], mask_ptr, mask_numel, kv_lens.data_ptr(), block_table.data_ptr(),
-                block_table.stride(0), tree_mask.data_ptr() if tree_mask is not None else 0,
-                tree_mask.stride(0) if tree_mask is not None else 0, bs, num_padding, extra, npages, page_size,
-                q_len, mode, stream)
-        if idx == torch.cuda.current_device():
-            self.module.fill_metadata(*args)
-        else:
-            with torch.cuda.device(idx):
-                self.module.fill_metadata(*args)
+        if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1):
+            raise ValueError(f"tree_mask must be torch.int64 with a contiguous last dim, got {tree_mask.dtype} "
+                             f"strides {tree_mask.stride()}")
+        return MetadataFill(self.module, kv_lens.device.index,
+                            (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0]),
+                            (kv_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                             tree_mask.data_ptr() if tree_mask is not None else 0,
+                             tree_mask.stride(0) if tree_mask is not None else 0),
+                            tree_mask is not None, page_size, (kv_lens, block_table, req_to_token, tree_mask))
 
     def check_kv_cache(self, kv_cache) -> torch.Tensor:
         """Validate a KV cache for this variant; returns its [num_slots, D] view.
@@ -473,7 +462,9 @@ class VerifyKernel:
         """Launch on a batch from :meth:`check_batch` without re-checking anything; returns ``(out, lse)``.
 
         The caller guarantees what :meth:`__call__` would check: q bf16 [bs*q_len, H, 576] and out bf16
-        [bs*q_len, H, 512] (lse fp32 [bs*q_len, H] or None) with contiguous last dims, even strides and
+        [bs*q_len, H, 512] (or their 2-D forms [bs*q_len, H*576] / [bs*q_len, H*512], heads 576 / 512
+        elements apart: the SGLang backend's layout, which saves a view per layer) (lse fp32 [bs*q_len, H]
+        or None) with contiguous last dims, even strides and
         4-byte alignment, kv_cache passed by :meth:`check_kv_cache`, all on the batch's device, none
         overlapping the workspace; softmax_scale a finite float > 0. A wrong tensor is undefined
         behavior (out-of-bounds reads), not an error: use :meth:`__call__` for unchecked inputs.
@@ -566,8 +557,10 @@ class VerifyKernel:
             raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it")
         else:
             kv_args = ()
-        self.module.run(q.data_ptr(), q.stride(0), q.stride(1), kv2.data_ptr(), kv2.stride(0), *head,
-                        out.data_ptr(), out.stride(0), out.stride(1), *lse_args, *kv_args, *tail,
+        v = self.variant  # a 2-D q / out ([T, H * D]) has its heads D elements apart
+        self.module.run(q.data_ptr(), q.stride(0), q.stride(1) if q.dim() == 3 else v.dim_qk, kv2.data_ptr(),
+                        kv2.stride(0), *head, out.data_ptr(), out.stride(0),
+                        out.stride(1) if out.dim() == 3 else v.dim_v, *lse_args, *kv_args, *tail,
                         float(softmax_scale), stream)
 
     def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
@@ -578,6 +571,53 @@ class VerifyKernel:
             self._run_module(q, kv2, head, tail, out, lse, softmax_scale, torch.cuda.current_stream(q.device).cuda_stream,
                              new_kv)
         return out, lse
+
+
+class MetadataFill:
+    """:meth:`VerifyKernel.fill_metadata` with its output buffers and req_to_token already checked (from
+    :meth:`VerifyKernel.metadata_filler`, which holds them alive). Calling it checks the step's inputs and
+    launches include/mlagen/mla_verify_metadata.cuh on the current stream (no allocation, no host sync)."""
+
+    __slots__ = ("_module", "_device_index", "_table", "_outs", "_has_tree", "_page_size", "_keep")
+
+    def __init__(self, module, device_index, table: tuple, outs: tuple, has_tree: bool, page_size: int, keep: tuple):
+        self._module, self._device_index, self._table, self._outs = module, device_index, table, outs
+        self._has_tree, self._page_size, self._keep = has_tree, page_size, keep
+
+    def __call__(self, seq_lens, req_pool_indices, *, extra: int, num_padding: int, npages: int, q_len: int = 0,
+                 tree_mode: str | None = None, custom_mask=None) -> None:
+        """Fill the bound buffers for this step (arguments and errors as :meth:`VerifyKernel.fill_metadata`)."""
+        bs = seq_lens.shape[0]
+        sl_dt, rpi_dt = seq_lens.dtype, req_pool_indices.dtype
+        if sl_dt not in _INDEX_DTYPES or rpi_dt not in _INDEX_DTYPES:
+            raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {sl_dt} and {rpi_dt}")
+        if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous()):
+            raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
+                             "req_to_token need a contiguous last dim")
+        mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
+        if self._has_tree:
+            mode = _TREE_MODES.get(tree_mode)
+            if mode is None:
+                raise ValueError(f"tree_mode must be one of {sorted(_TREE_MODES)} with a tree_mask, got {tree_mode!r}")
+            if mode != _TREE_CAUSAL:
+                if (custom_mask is None or custom_mask.dtype not in (torch.bool, torch.uint8)
+                        or not custom_mask.is_contiguous()):
+                    raise ValueError(f"tree_mode {tree_mode!r} needs a contiguous bool/uint8 custom_mask, got "
+                                     f"{getattr(custom_mask, 'dtype', None)}")
+                mask_ptr, mask_numel = custom_mask.data_ptr(), custom_mask.numel()
+                need = (bs - num_padding) * q_len * q_len
+                if mode == _TREE_QLEN and mask_numel < need:
+                    raise ValueError(f"QLEN_ONLY verify mask has {mask_numel} elements, {need} needed "
+                                     f"for {bs - num_padding} requests of {q_len} draft tokens")
+        idx = self._device_index
+        args = (seq_lens.data_ptr(), int(sl_dt == torch.int64), req_pool_indices.data_ptr(),
+                int(rpi_dt == torch.int64), *self._table, mask_ptr, mask_numel, *self._outs, bs, num_padding, extra,
+                npages, self._page_size, q_len, mode, _raw_stream(idx))
+        if idx == torch.cuda.current_device():
+            self._module.fill_metadata(*args)
+        else:
+            with torch.cuda.device(idx):
+                self._module.fill_metadata(*args)
 
 
 _NO_NEW_KV = (0, 0, 0, 0)

@@ -529,7 +529,7 @@ class _RefKernel:
         o, _ = mla_verify_reference(q, kv_cache, block_table, kv_lens, q_len=q_len,
                                     page_size=self.variant.page_size, softmax_scale=softmax_scale,
                                     mask=self.variant.mask, tree_mask=tree_mask)
-        out.copy_(o.to(out.dtype))
+        out.copy_(o.to(out.dtype).reshape(out.shape))  # out [T, H, 512] or 2-D [T, H * 512], as VerifyKernel.launch takes it
         return out, None
 
 
@@ -843,12 +843,16 @@ def test_block_table_refresh_sized_from_host_lengths(ps):
     assert (table[:, need:] == -1).all(), "columns past the batch's pages were re-gathered"
     assert torch.equal(be.forward_metadata.kv_lens, lens.to(torch.int32))
 
-    for kw, pages in ((dict(), need), (dict(seq_lens_cpu=None), -(-(int(lens.sum()) + ps) // ps)),
-                      (dict(seq_lens_cpu=None, seq_lens_sum=None), cols)):
+    # the whole table first, so that the eager buffer has its full width before the -1 fills
+    for kw, pages in ((dict(seq_lens_cpu=None, seq_lens_sum=None), cols), (dict(), need),
+                      (dict(seq_lens_cpu=None), -(-(int(lens.sum()) + ps) // ps))):
+        if be._eager is not None:
+            be._eager["block_table"].fill_(-1)
         be.init_forward_metadata(fb(**kw))  # eager: no host sync on seq_lens
-        m = be.forward_metadata
-        assert m.block_table.shape == (3, min(cols, pages))
-        assert torch.equal(m.block_table, (r2t[rpi][:, ::ps] // ps)[:, : m.block_table.shape[1]])
+        table = be.forward_metadata.block_table  # the persistent eager buffer's rows, at its full width
+        n = min(cols, pages)
+        assert torch.equal(table[:, :n], (r2t[rpi][:, ::ps] // ps)[:, :n])
+        assert (table[:, n:] == -1).all(), "columns past the batch's pages were re-gathered"
 
 
 def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):

@@ -107,7 +107,7 @@ class MlagenAttnBackend(_Base):
         self._causal = {}
         self._eager_ws = {}  # id(kernel) -> (kernel, workspace, largest bs it was checked for, smem cap then)
         self._eager = None  # persistent eager buffers: kv_lens [rows], block_table [rows, cols], tree [rows, q]
-        self._batch_cache = {}  # (kind, graph) -> (key of the validated tensors, check_batch result)
+        self._plans = {}  # (kind, graph) -> the validated buffers, their MlagenMetadata and metadata filler
         self._kernel_info = {}  # id(kernel) -> (tree variant?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel)
         self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
@@ -211,20 +211,36 @@ class MlagenAttnBackend(_Base):
                                                e["tree"][:bs, :q_len] if q_len else None)
         return views
 
-    def _checked_batch(self, kind: str, graph: bool, kernel, kv_lens, table, q_len: int, tree, ws):
-        """``kernel.check_batch`` of these tensors, or the cached result when every input it validates
-        is unchanged: the same buffers (data pointers), shapes and strides, q_len, workspace and the
-        kernel's shared-memory cap (its split count)."""
-        key = (id(kernel), q_len, kv_lens.data_ptr(), kv_lens.shape[0], table.data_ptr(), table.shape,
-               table.stride(), None if tree is None else (tree.data_ptr(), tree.shape, tree.stride()),
-               ws.data_ptr(), ws.numel(), getattr(kernel, "smem_per_sm_cap", None))
+    def _plan(self, kind: str, graph: bool, kernel, kv_lens, table, q_len: int, tree, ws, fused: bool, dims: tuple):
+        """(the step's :class:`MlagenMetadata`, a :class:`mlagen.ops.MetadataFill` of these buffers or None) for
+        ``kernel.check_batch`` of these tensors, rebuilt only when one of the validated inputs changes: other
+        buffer objects (the views are cached while their buffers live, and the plan holds them, so identity
+        means the same pointers, shapes and strides), q_len, or the kernel's shared-memory cap (its split count)."""
+        cap = getattr(kernel, "smem_per_sm_cap", None)
         slot = (kind, graph)
-        hit = self._batch_cache.get(slot)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        p = self._plans.get(slot)
+        if (p is not None and p[0] is kernel and p[1] is kv_lens and p[2] is table and p[3] is tree and p[4] is ws
+                and p[5] == q_len and p[6] == cap):
+            return p[7], p[8]
         batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
-        self._batch_cache[slot] = (key, batch)
-        return batch
+        meta = MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
+                              tree_mask=tree, workspace=ws, batch=batch, dims=dims)
+        filler = (kernel.metadata_filler(kv_lens, table, self.req_to_token, tree_mask=tree, page_size=self.page_size)
+                  if fused and kv_lens.is_cuda else None)
+        self._plans[slot] = (kernel, kv_lens, table, tree, ws, q_len, cap, meta, filler)
+        return meta, filler
+
+    def _graph_views(self, bs: int, q_len: int, kind: str) -> tuple:
+        """(kv_lens, block_table, tree or None, workspace) views of the CUDA-graph buffers for a batch of bs
+        rows (q_len 0: no tree), built once per (bs, q_len, kind) while the buffers stay the same."""
+        g = self._graph
+        views = g.setdefault("views", {})
+        key = (bs, q_len, kind)
+        v = views.get(key)
+        if v is None:
+            v = views[key] = (g["kv_lens"][:bs], g["block_table"][:bs], g["tree"][:bs, :q_len] if q_len else None,
+                              g["ws_verify"] if kind == "verify" else g["ws_decode"])
+        return v
 
     def _num_pages(self, forward_batch, bs: int, extra: int, graph: bool, in_capture: bool) -> int:
         """Block-table columns to refresh, from host values only (no device sync): SGLang's
@@ -293,16 +309,13 @@ class MlagenAttnBackend(_Base):
             if is_tree and q_len > g["tree"].shape[1]:  # before the fill writes past the buffer's rows
                 raise RuntimeError(f"mlagen: graph batch of {q_len} draft tokens per request exceeds the "
                                    f"{g['tree'].shape[1]} the CUDA-graph buffers were sized for")
-            kv_lens, table = g["kv_lens"][:bs], g["block_table"][:bs]
-            table_checked = table
-            tree = g["tree"][:bs, :q_len] if is_tree else None
-            ws = g["ws_verify"] if kind == "verify" else g["ws_decode"]
+            kv_lens, table, tree, ws = self._graph_views(bs, q_len if is_tree else 0, kind)
         else:  # views of persistent buffers: no allocation per step
             # The kernel reads ceil(kv_len / page_size) <= npages columns: the batch is checked on the
             # buffer's full width, so a step whose page count moved (every step at page_size 1) hits the cache.
-            kv_lens, table_checked, tree = self._eager_views(bs, npages, q_len if is_tree else 0)
-            table = None  # the fused fill writes npages columns of the full-width table
+            kv_lens, table, tree = self._eager_views(bs, npages, q_len if is_tree else 0)
             ws = self._eager_workspace(kernel, bs)
+        meta, filler = self._plan(kind, graph, kernel, kv_lens, table, q_len, tree, ws, fused, dims)
 
         mode, custom = None, None
         if tree is not None:
@@ -312,16 +325,14 @@ class MlagenAttnBackend(_Base):
                 mode, custom = "causal", None
             else:
                 mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
-        if (fused and rpi.is_cuda and rpi.is_contiguous() and seq_lens.is_contiguous()
+        if (filler is not None and rpi.is_cuda and rpi.is_contiguous() and seq_lens.is_contiguous()
                 and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()))):
-            kernel.fill_metadata(kv_lens, table_checked, seq_lens, rpi, self.req_to_token, extra=extra, num_padding=npad,
-                                 npages=npages, page_size=self.page_size, q_len=q_len, tree_mask=tree,
-                                 tree_mode=mode, custom_mask=custom)
+            # the fused fill writes npages columns of the full-width table
+            filler(seq_lens, rpi, extra=extra, num_padding=npad, npages=npages, q_len=q_len, tree_mode=mode,
+                   custom_mask=custom)
         else:  # the torch helpers (CPU, stand-in kernels, modules built before fill_metadata, other masks)
-            if table is None:
-                table = table_checked[:, :npages]
             md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
-            md.fill_block_table(table, self.req_to_token, rpi, self._cols[:npages], self.page_size)
+            md.fill_block_table(table[:, :npages], self.req_to_token, rpi, self._cols[:npages], self.page_size)
             if mode == "causal":
                 tree.copy_(self._causal_bits(q_len).expand(bs, q_len))
             elif mode is not None:
@@ -329,10 +340,7 @@ class MlagenAttnBackend(_Base):
                     tree[:real].copy_(self._pack_tree(custom, seq_lens[:real], real, q_len))
                 if npad > 0:
                     tree[real:bs].zero_()
-        batch = self._checked_batch(kind, graph, kernel, kv_lens, table_checked, q_len, tree, ws)
-        return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens,
-                              block_table=table if table is not None else table_checked,
-                              tree_mask=tree, workspace=ws, batch=batch, dims=dims)
+        return meta
 
     # ---------------------------------------------------------------- metadata API
     def init_forward_metadata(self, forward_batch):
@@ -475,7 +483,8 @@ class MlagenAttnBackend(_Base):
                 raise NotImplementedError(f"mlagen backend: unsupported attention arguments {unsupported}")
         H, D, DV, k_descale, v_descale, scale, layer_id = self._layer_consts(layer)
         kernel, batch = meta.kernel, meta.batch
-        qv = q.reshape(-1, H, D)
+        qs = q.shape
+        qv = q if len(qs) == 3 and qs[1] == H and qs[2] == D else q.reshape(-1, H, D)  # [T, H, 576] as DeepSeek passes it
         if qv.stride(-1) != 1:
             qv = qv.contiguous()
         # DP attention pads a batch's tokens to a multiple of attn_tp_size (ForwardBatch.prepare_mlp_sync_batch,
@@ -499,7 +508,7 @@ class MlagenAttnBackend(_Base):
 
                     self._kv_write_loc = KVWriteLoc
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
-        out = q.new_empty((rows, H, DV))
+        out = q.new_empty((rows, H * DV))  # the layout returned; the launch takes it 2-D (heads DV apart)
         kv = self.token_to_kv_pool.get_key_buffer(layer_id)
         kv_ptr = kv.data_ptr()
         checked = self._kv_checked.get(layer_id)
@@ -518,10 +527,10 @@ class MlagenAttnBackend(_Base):
                 kernel.launch(batch, q_b, kv, out_b, scale)
         else:  # the checked call: a clear ValueError for what does not fit
             kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
-                   tree_mask=meta.tree_mask, out=out, workspace=meta.workspace)
+                   tree_mask=meta.tree_mask, out=out.view(rows, H, DV), workspace=meta.workspace)
         if v_descale != 1.0:
             out.mul_(v_descale)
-        return out.view(-1, H * DV)
+        return out
 
     def _new_kv(self, kernel, k, forward_batch, T: int, D: int) -> tuple:
         """(k_new address, row stride, out_cache_loc address) when the launch can store ``k`` itself
