@@ -66,8 +66,9 @@ def tuning_spec(H: int, q_len: int, ps: int) -> dict:
 
 def dimsplit_t_tuning_spec(H: int, q_len: int, ps: int) -> dict:
     """The dimsplit_t tiles of a bucket (built beside :func:`tuning_spec`'s): score warps of 24 rows, 4
-    output warps and a producer, cp.async loader; 32-token steps (block_n 32, 3 stages: 99 KB allows no 4th;
-    the 4-8 stage points are dropped as infeasible) and 16-token steps (block_n 16, rings of 3-8 stages)."""
+    output warps and a producer, cp.async loader; 32-token steps (block_n 32: 3 stages beside two score exchange
+    buffers, 4 beside one; the 6-8 stage points are dropped as infeasible) and 16-token steps (block_n 16, rings
+    of 3-8 stages)."""
     rt = dimsplit_t_row_tiles(H * q_len)
     return dict(name=f"bench_dst_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
                 mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[4, 6, 8, 3],

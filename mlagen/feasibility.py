@@ -71,11 +71,13 @@ def resources(v: Variant) -> Resources:
         rows = DIMSPLIT_T_ROWS_PER_SCORE_WARP * v.row_tiles
         smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
         m_tiles = v.block_n // 16  # m16 token tiles of a score step (a whole stage)
-        smem_xchg = 2 * v.row_tiles * m_tiles * 3 * 32 * 4 * 4  # [2 buffers][score warps][m x 3 tiles][32 lanes][4]
+        xchg_buf = v.row_tiles * m_tiles * 3 * 32 * 4 * 4  # [score warps][m x 3 tiles][32 lanes][4 floats]
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
         smem_p = 2 * v.block_n * p_row * 2 + 2 * rows * 4 + rows * 4  # 2 P^T buffers, their rescale factors, row sums
-        smem_bars = (2 * v.stages + 2 * v.row_tiles + 2 * 2) * 8
-        return Resources(smem_kv + smem_xchg + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
+        # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
+        x_bufs = 2 if smem_kv + 2 * xchg_buf + smem_p + (2 * v.stages + 2 * v.row_tiles + 4) * 8 <= SMEM_LIMIT["sm_120"] else 1
+        smem_bars = (2 * v.stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0)) * 8
+        return Resources(smem_kv + x_bufs * xchg_buf + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
         dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2

@@ -267,7 +267,7 @@ def test_fp8_and_two_producer_dimsplit_compile_without_spills(tmp_path):
 def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_path):
     """The dimsplit_t schedule (S^T = K Q^T in score warps, O^T = V^T P^T in output warps) compiles for
     sm_120 and sm_90 with no spills and only the allowed instructions, at H8 q9 (3 score warps, 72 rows,
-    3 stages of 32 tokens, two m16 token tiles per score step) and q_len 1 (one score warp, 8 stages of
+    3 or 4 stages of 32 tokens, two m16 token tiles per score step; with 4, one score exchange buffer) and q_len 1 (one score warp, 8 stages of
     16 tokens, two accumulator chains); its shared memory equals the Python model's (a static_assert appended
     to the rendered source), which is what the feasibility filter drops variants by; the softmax uses
     ex2.approx.ftz and the producer prefetches into L2."""
@@ -279,6 +279,7 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         pytest.skip("nvcc not available")
     base = dict(page_size=1, nsplit="auto", load_width=128, schedule="dimsplit_t", arch=["sm_120", "sm_90"])
     for extra in (dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=3),
+                  dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=4),
                   dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal", block_n=16, stages=8)):
         (v,) = parse_spec(dict(base, **extra)).variants()
         assert infeasible_reason(v) is None
@@ -289,3 +290,6 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "st.async.shared::cluster" in ptx
         # one MUFU per exponential (no exp2f range fix-up) and the producer's L2 prefetch of the tile kStages ahead
         assert "ex2.approx.ftz.f32" in ptx and "prefetch.global.L2" in ptx
+        # 4 stages of 32 tokens fit in 99 KB beside one exchange buffer, whose reuse the peer signals (relaxed)
+        one_xbuf = extra["block_n"] == 32 and extra["stages"] == 4
+        assert ("mbarrier.arrive.relaxed.cluster.shared::cluster" in ptx) == one_xbuf

@@ -21,7 +21,7 @@ SPECS = [
          schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=7, load_width=128),
     # dimsplit_t (score and output warps; each CTA of the first cluster stores its half of the dims)
     dict(name="gpu_newkv_dst", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
-         schedule="dimsplit_t", row_tiles=3, block_n=32, stages=3, num_warps=8, load_width=128),
+         schedule="dimsplit_t", row_tiles=3, block_n=32, stages=[3, 4], num_warps=8, load_width=128),
     # rowblock, both loaders, paged
     dict(name="gpu_newkv_rb", heads_per_rank=8, q_len=9, page_size=64, nsplit="auto", mask="tree", row_tiles=1,
          block_n=32, stages=2, load_width=["bulk", 128]),

@@ -105,9 +105,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kKvRowElems = kDimCta + 8;
   static constexpr int kStageElems = kBlockN * kKvRowElems;
   static constexpr int kSmemKv = kStages * kStageElems * 2;
-  static constexpr int kXBufs = 2;  // a warp's send of sub-tile j + 2 follows its peer's read of j (see the loop)
   static constexpr int kXchgFloatsPerWarp = kMTilesS * kNTilesS * 32 * 4;
-  static constexpr int kSmemXchg = kXBufs * kScoreWarps * kXchgFloatsPerWarp * 4;
   // Two P^T buffers: a score warp writes P^T of sub-tile j once the output warps are done with j - 2, so while
   // it computes j + 1 the output warps may still hold j - 2 .. j (perf-notes v11: three buffers measured the
   // same).
@@ -117,8 +115,19 @@ struct MlaDimSplitTConfig {
   static constexpr int kSmemP = kPBufs * kPBufElems * 2;
   static constexpr int kSmemAlpha = kPBufs * kRowsPerCta * 4;
   static constexpr int kSmemStats = kRowsPerCta * 4;
-  // full, empty [kStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]
-  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs;
+  // Score exchange buffers: two when they fit beside the ring in sm_120's 99 KB (a warp's send of sub-tile
+  // j + 2 then follows its peer's read of j with no further signal), else one, and the peer's read of j is
+  // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
+  // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
+  static constexpr int kXchgBufBytes = kScoreWarps * kXchgFloatsPerWarp * 4;
+  static constexpr int kSmemWithTwoXBufs = kSmemKv + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats +
+                                           (2 * kStages + 2 * kScoreWarps + 2 * kPBufs) * 8;
+  static constexpr int kXBufs = kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
+  static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
+  // full, empty [kStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]; with one exchange buffer,
+  // xempty [kScoreWarps] (the peer's warp has read this warp's last send)
+  static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
+  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars;
   static constexpr int kSmemBars = kNumBars * 8;
   static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemBars;
 
@@ -166,6 +175,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* xfull_bar = empty_bar + Cfg::kStages;           // [kXBufs][kScoreWarps]: the peer's scores landed
   uint64_t* pfull_bar = xfull_bar + Cfg::kXBufs * Cfg::kScoreWarps;  // [kPBufs]: P^T and factors written
   uint64_t* pempty_bar = pfull_bar + Cfg::kPBufs;                    // [kPBufs]: the output warps are done
+  uint64_t* xempty_bar = pempty_bar + Cfg::kPBufs;  // [kXEmptyBars]: the peer read this warp's last scores
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -195,6 +205,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     }
     // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
     for (int i = 0; i < Cfg::kXBufs * Cfg::kScoreWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
+    for (int i = 0; i < Cfg::kXEmptyBars; ++i) ptx::mbarrier_init(xempty_bar + i, 1);  // the peer warp's lane 0
     for (int i = 0; i < Cfg::kPBufs; ++i) {
       ptx::mbarrier_init(pfull_bar + i, Cfg::kScoreWarps);
       ptx::mbarrier_init(pempty_bar + i, Cfg::kOutWarps);
@@ -286,7 +297,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             for (int e = 0; e < 4; ++e) s[mt][nt][e] += s2[mt][nt][e];
       }
     };
+    const uint32_t xempty_remote = ptx::map_to_cta(ptx::smem_u32(xempty_bar + sw), peer);
     auto send_scores = [&](int j, const Acc& s) {
+      if constexpr (Cfg::kXBufs == 1) {  // the peer has read sub-tile j - 1 from its (only) buffer
+        if (j > 0) ptx::mbarrier_wait_parity(xempty_bar + sw, static_cast<uint32_t>(j - 1) & 1u);
+      }
       const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
       const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
 #pragma unroll
@@ -316,6 +331,12 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           s[mt][nt][2] += v.z;
           s[mt][nt][3] += v.w;
         }
+      if constexpr (Cfg::kXBufs == 1) {
+        // The buffer is free for the peer's next send: every lane's loads above have returned (their values are
+        // summed), so a relaxed arrival suffices (a release.cluster one adds a GPU-scope fence per step).
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive_cluster_relaxed(xempty_remote);
+      }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
       if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
 #pragma unroll
