@@ -119,8 +119,10 @@ def _host_us(fn, reps: int) -> float:
 def _checked_launch(kernel):
     """``kernel.launch`` through the fully checked call (every tensor checked on every layer)."""
     def launch(batch, q, kv_cache, out, softmax_scale, lse=None, new_kv=()):
-        return kernel(q, kv_cache, batch.block_table, batch.kv_lens, q_len=batch.q_len, softmax_scale=softmax_scale,
-                      tree_mask=batch.tree_mask, out=out, lse=lse, workspace=batch.workspace)
+        out3 = out.view(out.shape[0], -1, kernel.variant.dim_v)  # the backend passes out 2-D [T, H * 512]
+        kernel(q, kv_cache, batch.block_table, batch.kv_lens, q_len=batch.q_len, softmax_scale=softmax_scale,
+               tree_mask=batch.tree_mask, out=out3, lse=lse, workspace=batch.workspace)
+        return out, lse
     return launch
 
 

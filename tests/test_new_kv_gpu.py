@@ -39,7 +39,7 @@ def kernels():
     from mlagen.ops import VerifyKernel
 
     ks = [VerifyKernel(b.variant, b.so_path) for spec in SPECS for b in build_variants(spec)]
-    assert len(ks) == 7 and all(k.has_new_kv for k in ks)
+    assert len(ks) == 8 and all(k.has_new_kv for k in ks)
     return ks
 
 

@@ -546,7 +546,7 @@ def _exact(runner, layer, b, role, q_len):
 def _vs_exact(runner, layer, b, role, q_len, triton_out, ours_out, what):
     """fp8 pool: (mlagen's, Triton's) max error against :func:`_exact`; mlagen within the bf16 bound and
     no further from the exact result than Triton plus that bound."""
-    exact = _exact(runner, layer, b, role, q_len)
+    exact = _exact(runner, layer, b, role, q_len).reshape(ours_out.shape)  # [T, H, 512] -> the backend's [T, H * 512]
     e_ours = _check(exact, ours_out, f"{what}: mlagen vs the fp32 reference")
     e_tri = (triton_out - exact).abs().max().item()
     assert e_ours <= e_tri + ATOL, f"{what}: mlagen {e_ours:.3g} from the fp32 reference, Triton {e_tri:.3g}"
