@@ -592,8 +592,7 @@ class MetadataFill:
         if sl_dt not in _INDEX_DTYPES or rpi_dt not in _INDEX_DTYPES:
             raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {sl_dt} and {rpi_dt}")
         if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous()):
-            raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
-                             "req_to_token need a contiguous last dim")
+            raise ValueError("seq_lens and req_pool_indices must be contiguous")
         mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
         if self._has_tree:
             mode = _TREE_MODES.get(tree_mode)

@@ -290,6 +290,7 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "st.async.shared::cluster" in ptx
         # one MUFU per exponential (no exp2f range fix-up) and the producer's L2 prefetch of the tile kStages ahead
         assert "ex2.approx.ftz.f32" in ptx and "prefetch.global.L2" in ptx
-        # 4 stages of 32 tokens fit in 99 KB beside one exchange buffer, whose reuse the peer signals (relaxed)
+        # 4 stages of 32 tokens fit in 99 KB beside one exchange buffer, whose reuse the peer's warp signals
+        # with a remote arrival at CTA scope (no fence)
         one_xbuf = extra["block_n"] == 32 and extra["stages"] == 4
-        assert ("mbarrier.arrive.relaxed.cluster.shared::cluster" in ptx) == one_xbuf
+        assert ("mbarrier.arrive.shared::cluster.b64" in ptx) == one_xbuf

@@ -7,7 +7,8 @@
 //                  fragments in registers (3 n8 tiles x 18 k-steps) and streams K from the stage as A
 //                  fragments (ldmatrix): one K fragment feeds 3 MMAs.
 //   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
-//                  mbarrier), two buffers deep; S = S_0 + S_1 is the same sum in both CTAs.
+//                  mbarrier), two buffers deep, or one (4 stages at block_n 32) whose reads the peer's warp
+//                  signals on the sender's xempty mbarrier; S = S_0 + S_1 is the same sum in both CTAs.
 //   softmax        in the score warps' registers: a row is an n index, so its max over the step's tokens is
 //                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
 //                  P^T (bf16, [tokens][rows]) and each
@@ -332,10 +333,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           s[mt][nt][3] += v.w;
         }
       if constexpr (Cfg::kXBufs == 1) {
-        // The buffer is free for the peer's next send: every lane's loads above have returned (their values are
-        // summed), so a relaxed arrival suffices (a release.cluster one adds a GPU-scope fence per step).
+        // The buffer is free for the peer's next send (its reads are done: release at CTA scope, no fence; a
+        // release.cluster arrival would add a GPU-scope fence per step).
         __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive_cluster_relaxed(xempty_remote);
+        if (lane == 0) ptx::mbarrier_arrive_cluster_cta(xempty_remote);
       }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
       if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile

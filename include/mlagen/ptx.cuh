@@ -136,10 +136,11 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t cluster_bar_add
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar_addr) : "memory");
 }
 
-// The same without ordering this thread's earlier memory accesses (relaxed.cluster: no fence): for a signal
-// that a buffer's reads are done, when the values read have already been used.
-__device__ __forceinline__ void mbarrier_arrive_cluster_relaxed(uint32_t cluster_bar_addr) {
-  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar_addr) : "memory");
+// The same at CTA scope (release.cta, the default semantics; no fence in SASS, where release.cluster adds
+// MEMBAR.ALL.GPU): a consumer telling a producer in another CTA that a buffer's reads are done, the pattern
+// CUTLASS's ClusterBarrier::arrive(cta_id) uses.
+__device__ __forceinline__ void mbarrier_arrive_cluster_cta(uint32_t cluster_bar_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar_addr) : "memory");
 }
 
 // Local arrival (release at CTA scope), e.g. a consumer warp freeing a pipeline stage.
