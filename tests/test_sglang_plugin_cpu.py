@@ -855,6 +855,29 @@ def test_block_table_refresh_sized_from_host_lengths(ps):
         assert (table[:, n:] == -1).all(), "columns past the batch's pages were re-gathered"
 
 
+def test_graph_state_again_drops_the_old_buffers_plan():
+    """init_cuda_graph_state a second time (new graph buffers): the cached plan of the old buffers is dropped at
+    once, and the next replay's metadata is checked again and written into the new buffers."""
+    from mlagen.sglang_plugin.backend import MlagenAttnBackend
+
+    gen = torch.Generator().manual_seed(41)
+    mr, r2t = _runner(1, width=64, rows=6)
+    k = _Kernel(1, "causal")
+    be = MlagenAttnBackend(mr, verify_kernel=None, decode_kernel=k, fallback=_Fallback())
+    lens = torch.randint(1, 20, (3,), generator=gen)
+    fb = types.SimpleNamespace(forward_mode=_Mode("decode"), spec_info=None, batch_size=3,
+                               req_pool_indices=torch.randperm(6, generator=gen)[:3], seq_lens=lens,
+                               seq_lens_cpu=lens.clone(), seq_lens_sum=int(lens.sum()), max_seq_len_host=None)
+    for n in (1, 2):
+        be.init_cuda_graph_state(4, 4)
+        assert not [slot for slot in be._plans if slot[1]], "a plan of the previous graph buffers survived"
+        be.init_forward_metadata_out_graph(fb)
+        m = be.forward_metadata
+        assert len(k.batches) == n
+        assert m.kv_lens.data_ptr() == be._graph["kv_lens"].data_ptr() and m.kv_lens.tolist() == lens.tolist()
+        assert m.block_table.data_ptr() == be._graph["block_table"].data_ptr()
+
+
 def test_eager_step_checks_the_batch_once_and_launches_each_layer(kv_write_loc):
     """Host time per eager step: the batch metadata is validated once (init_forward_metadata; a later
     step of the same shape reuses that check), each layer's pool buffer once per backend, and every

@@ -371,6 +371,8 @@ class MlagenAttnBackend(_Base):
         if self.decode_kernel is not None:
             g["ws_decode"] = self.decode_kernel.alloc_workspace(max_bs, dev)
         self._graph = g
+        for slot in [s for s in self._plans if s[1]]:  # plans of the old graph buffers: do not keep them alive
+            del self._plans[slot]
         self._graph_dims = (max_bs, max_num_tokens, kwargs)
         self._fallback_graph_ready = False
 
