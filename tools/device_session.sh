@@ -89,7 +89,7 @@ elif [ "$MODE" = dst ]; then
   # the dimsplit_t release checks on one GPU, first of two calls (each fits the 10-minute call limit): its GPU
   # tests (full case set, equality with rowblock, other row counts; draft-row store / read), memcheck and
   # racecheck of DST_URI, all in parallel (~7 min); the bench is `dst_bench`
-  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
+  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   step pytest_dst 420 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py \
     -k "dimsplit_t_full or (equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
   step pytest_dst_newkv 420 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
@@ -102,7 +102,7 @@ elif [ "$MODE" = dst_bench ]; then
   # the second call (carry .whl_fi; with .whl too, backend_step runs): memcheck of DST_URI beside the bench's
   # compile, the small-grid bench with FlashInfer's columns (KERNELS), the same tiles at sm_120 occupancy
   # (mlagen only), L2 -> SM bytes of DST_URI at 64k (ncu), then bench/backend_step.py when SGLang imports (~6 min)
-  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90}
+  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   KERNELS=${KERNELS:-$RELEASE_KERNELS}
   step memcheck_dst 230 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
   step bench_build 230 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
