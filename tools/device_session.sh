@@ -16,6 +16,9 @@
 #   dst: [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck in parallel ≈ 7 min; then, a second call,
 #   dst_bench: [KERNELS=globs DST_URI=..] memcheck beside the bench's compile, the small-grid bench with FlashInfer's
 #         columns, the same at sm_120 occupancy, L2 -> SM bytes, backend_step if .whl is carried (.whl_fi) ≈ 6 min.
+#   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
+#         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
+#         (docs/perf-notes.md v13) ≈ 3 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -166,6 +169,20 @@ elif [ "$MODE" = consumers ]; then
   grep -E "issue_active|tensor|Pipe|Warp Cycles|Stall|Executed Ipc|Instructions" "$OUT/ncu_mix.log" | sed 's/  */ /g' | head -40
   step ncu_sass 120 ncu --import "$OUT/consumers.ncu-rep" --page source --print-source sass --csv
   mv "$OUT/ncu_sass.log" "$OUT/sass_counters.csv" 2>/dev/null
+elif [ "$MODE" = fixed ]; then
+  # the per-call cost of DST_URI that does not scale with context (H8 q9 bs1): ncu durations of the partial and combine kernels at 4k / 16k /
+  # 64k / 128k with caches left as the previous launch leaves them (--cache-control none; the third launch of
+  # each is read), then the warp states of the 4k partial kernel (prologue / epilogue heavy) ≈ 3 min
+  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  python3 tools/device_profile.py "$DST_URI" 4096 1 > "$OUT/prof_build.log" 2>&1
+  for c in 4096 16384 65536 131072; do
+    step "ncu_fixed_$c" 90 ncu --cache-control none --clock-control none --kernel-name regex:"dimsplit_t|combine" \
+      --launch-skip 4 --launch-count 2 --metrics gpu__time_duration.sum python3 tools/device_profile.py "$DST_URI" $c 1
+    grep -E "mla_verify|duration" "$OUT/ncu_fixed_$c.log" | sed 's/  */ /g'
+  done
+  step ncu_fixed_states 150 ncu --cache-control none --clock-control none --kernel-name regex:dimsplit_t --launch-skip 2 \
+    --launch-count 1 --section WarpStateStats --section SourceCounters python3 tools/device_profile.py "$DST_URI" 4096 1
+  grep -E "Warp Cycles|Stall" "$OUT/ncu_fixed_states.log" | sed 's/  */ /g' | head -20
 elif [ "$MODE" = ablate ]; then
   step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
   grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -30
