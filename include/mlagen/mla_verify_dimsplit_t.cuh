@@ -406,9 +406,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the second half of
     // j + 1's K steps with the softmax of j interleaved in one basic block (the MMAs of j + 1 do not depend
     // on the softmax of j, so the scheduler fills the tensor pipe's gaps with the softmax's shuffles, ex2 and
-    // stores), then j + 1 goes to the peer. Exchange buffer reuse (two buffers): this warp sends j + 1 into
+    // stores), then j + 1 goes to the peer. Exchange buffer reuse: with two buffers, this warp sends j + 1 into
     // the peer's buffer (j + 1) % 2 after receiving the peer's j, which the peer sent after its softmax of
-    // j - 1 had read that buffer.
+    // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
     constexpr int kHalfK = Cfg::kKSteps / 2;
     static_assert(Cfg::kKSteps - kHalfK >= 3 * Cfg::kNTilesS, "the second half's K steps carry the softmax's 9 pieces");
     Acc s_cur, s_next, s_odd;
