@@ -17,8 +17,9 @@ from mlagen.spec import Variant
 
 # nsplit "auto": the split count whose CTAs fill the GPU's CTA slots (occupancy x SMs) in whole
 # waves (see auto_num_splits), and at least this many KV tokens per split (shorter splits cost more
-# in combine traffic than they win).
-AUTO_MIN_TOKENS_PER_SPLIT = 128
+# in combine traffic than they win: on an H200, 64 was 0.4-1.7 µs faster than 128 at 4k bs 1 and level
+# from 16k up, 32 no faster than 64; docs/perf-notes.md v14).
+AUTO_MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 256
 SM120_SMEM_PER_SM = 102400  # shared memory per SM on sm_120 (RTX PRO 6000 Blackwell): 100 KB
 CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA (sm_80 and later)

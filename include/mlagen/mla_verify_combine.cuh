@@ -1,9 +1,13 @@
-// mlagen/mla_verify_combine.cuh — merge the split-KV partials of mla_verify_partial.cuh.
+// mlagen/mla_verify_combine.cuh — merge the split-KV partials of the partial kernels.
 //   lse   = log(sum_s exp(lse_s))                (log-sum-exp over non-empty splits)
 //   out   = sum_s exp(lse_s - lse) * o_s         (o_s normalized per split)
 // Only the live splits of a request (mla_verify_split.cuh, from kv_len) are read, and among them
 // splits with lse_s = -inf (no visible key) are skipped, so an unwritten o_s is never read.
 // A row with no visible key (kv_len 0, padded batch row) gets out = 0 and lse = -inf.
+//
+// It may be launched as a programmatic dependent of the partial kernel (mla_verify_launch.cuh, MLAGEN_PDL=1): its
+// CTAs can then be resident before the partial kernel ends, so nothing the partial kernel writes (o_part,
+// lse_part) is read before ptx::griddep_wait().
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -11,33 +15,53 @@
 
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_split.cuh"
+#include "mlagen/ptx.cuh"
 
 namespace mlagen {
 
 inline constexpr int kMaxSplits = 256;
+inline constexpr int kCombineThreads = 128;
 
-// One CTA per (row, request); kDimV / 4 threads x 4 dims. The split LSEs are read once into shared
-// memory (in parallel), then the weighted partial rows are read with kUnroll independent loads in
-// flight per thread; splits with zero weight (empty) are never read.
-template <int kHeads, int kRowsMax, int kDimV, int kBlockN>
-__global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const MlaVerifyParams p) {
-  static_assert(kDimV % 4 == 0 && kDimV / 4 >= 32, "dims must divide by 4, at least one warp");
-  constexpr int kThreads = kDimV / 4;
-  constexpr int kWarpsC = kThreads / 32;
-  constexpr int kUnroll = 8;
-  __shared__ float w_smem[kMaxSplits];
+// Compile-time shape of the combine. A row's kDimV / 4 float4 columns are cut into kChunks chunks, one CTA per
+// (row, chunk, request). In a CTA, kLanes = kDimV / 4 / kChunks threads cover the chunk (4 dims each) and
+// kGroups = kCombineThreads / kLanes such groups read disjoint splits (s = g, g + kGroups, ...); group 0 sums them
+// through shared memory. kChunks 1: one CTA per row reads every split (a large batch has rows enough to fill the
+// GPU). kChunks 4 / 8: a row is spread over 4 / 8 CTAs with 4 / 8 times the loads in flight (few rows, many
+// splits: at batch 1 and long context, one CTA per row left 60 of 132 SMs idle, each CTA reading 63 partials).
+template <int kDimV, int kChunks>
+struct CombineShape {
+  static constexpr int kLanes = kDimV / 4 / kChunks;
+  static constexpr int kGroups = kCombineThreads / kLanes;
+  static constexpr int kUnroll = 8;  // independent 16-byte loads in flight per thread
+  static_assert(kDimV % (4 * kChunks) == 0, "the dim chunks must cover kv_lora_rank in float4 columns");
+  static_assert(kLanes >= 1 && kCombineThreads % kLanes == 0, "a chunk's columns must divide the CTA's threads");
+  static_assert(kGroups * kUnroll <= kMaxSplits, "one pass of the split loop reads at most kMaxSplits partials");
+};
+
+// Grid (kRowsMax * kChunks, bs), kCombineThreads threads. Block x = row * kChunks + chunk, so the CTAs of one
+// row read adjacent 16-byte columns of the same partial rows.
+template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks>
+__global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const MlaVerifyParams p) {
+  using Shape = CombineShape<kDimV, kChunks>;
+  constexpr int kLanes = Shape::kLanes, kGroups = Shape::kGroups, kUnroll = Shape::kUnroll;
+  constexpr int kWarpsC = kCombineThreads / 32;
+  __shared__ float w_smem[kMaxSplits];  // exp(lse_s - lse_max) per split
   __shared__ float red_smem[kWarpsC];
-  const int row = blockIdx.x;  // (query i, head h) = (row / H, row % H)
+  __shared__ float4 acc_smem[kGroups > 1 ? kGroups - 1 : 1][kLanes];  // groups 1.. hand their sums to group 0
+  const int row = blockIdx.x / kChunks;  // (query i, head h) = (row / H, row % H)
+  const int chunk = blockIdx.x % kChunks;
   const int b = blockIdx.y;
   const int rows = p.q_len * kHeads;
   if (row >= rows) return;
+  const int tid = threadIdx.x;
+  const int lane = tid % kLanes, group = tid / kLanes;
+  ptx::griddep_wait();  // the partial kernel's o_part / lse_part are complete and visible from here on
   const int64_t base = static_cast<int64_t>(b) * p.num_splits * kRowsMax + row;
   const int ns = live_splits(p.kv_lens[b], kBlockN, p.num_splits, p.min_tiles_per_split);
-  const int tid = threadIdx.x;
 
   // lse_max over splits (block reduction)
   float m = -INFINITY;
-  for (int s = tid; s < ns; s += kThreads) {
+  for (int s = tid; s < ns; s += kCombineThreads) {
     const float l = p.lse_part[base + static_cast<int64_t>(s) * kRowsMax];
     w_smem[s] = l;
     m = fmaxf(m, l);
@@ -49,22 +73,31 @@ __global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const Mla
   float lse_max = red_smem[0];
 #pragma unroll
   for (int w = 1; w < kWarpsC; ++w) lse_max = fmaxf(lse_max, red_smem[w]);
-  for (int s = tid; s < ns; s += kThreads) {
+  float wpart = 0.f;
+  for (int s = tid; s < ns; s += kCombineThreads) {
     const float l = w_smem[s];
-    w_smem[s] = (lse_max == -INFINITY || l == -INFINITY) ? 0.f : __expf(l - lse_max);
+    const float wt = (lse_max == -INFINITY || l == -INFINITY) ? 0.f : __expf(l - lse_max);
+    w_smem[s] = wt;
+    wpart += wt;
   }
-  __syncthreads();
-
-  const int d = tid * 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) wpart += __shfl_xor_sync(0xffffffffu, wpart, off);
+  __syncthreads();  // every thread has read red_smem's maxima: it is reused for the weight sums
+  if (tid % 32 == 0) red_smem[tid / 32] = wpart;
+  __syncthreads();  // w_smem and the weight sums are complete
   float wsum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarpsC; ++w) wsum += red_smem[w];
+
+  const int d = chunk * (kDimV / kChunks) + lane * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   const float* o_base = p.o_part + base * kDimV + d;
-  for (int s0 = 0; s0 < ns; s0 += kUnroll) {
+  for (int s0 = group; s0 < ns; s0 += kUnroll * kGroups) {
     float4 o[kUnroll];
     float w[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int s = s0 + u;
+      const int s = s0 + u * kGroups;
       w[u] = s < ns ? w_smem[s] : 0.f;
       o[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -75,7 +108,19 @@ __global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const Mla
       acc.y += w[u] * o[u].y;
       acc.z += w[u] * o[u].z;
       acc.w += w[u] * o[u].w;
-      wsum += w[u];
+    }
+  }
+  if constexpr (kGroups > 1) {
+    if (group > 0) acc_smem[group - 1][lane] = acc;
+    __syncthreads();
+    if (group > 0) return;
+#pragma unroll
+    for (int g = 0; g < kGroups - 1; ++g) {
+      const float4 a = acc_smem[g][lane];
+      acc.x += a.x;
+      acc.y += a.y;
+      acc.z += a.z;
+      acc.w += a.w;
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
@@ -84,9 +129,12 @@ __global__ void __launch_bounds__(kDimV / 4) mla_verify_combine_kernel(const Mla
   __nv_bfloat16* out_row = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + d;
   *reinterpret_cast<__nv_bfloat162*>(out_row) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   *reinterpret_cast<__nv_bfloat162*>(out_row + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (p.lse != nullptr && tid == 0) {
+  if (p.lse != nullptr && chunk == 0 && tid == 0) {
     p.lse[tok * p.lse_stride_tok + h] = wsum > 0.f ? lse_max + logf(wsum) : -INFINITY;
   }
 }
+
+// Dim chunks per row for a launch of num_splits splits: more CTAs per row when each row has many partials.
+__host__ __forceinline__ int combine_chunks(int num_splits) { return num_splits >= 32 ? 8 : num_splits >= 8 ? 4 : 1; }
 
 }  // namespace mlagen

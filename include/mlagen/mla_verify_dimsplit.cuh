@@ -175,7 +175,7 @@ struct MlaDimSplitConfig {
                 "dimsplit fp8: load_width 128, one warp per row tile, num_warps = row_tiles + 3 (a producer and two "
                 "converter warps), kv_lora_rank 512 and qk_rope_head_dim 64");
   static_assert(kBlockN_ % kProducerWarps == 0 && kTokensPerProducer <= 32, "a producer lane per token of its share");
-  static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
+  static_assert(kDimV % 32 == 0 && kDimV <= 512, "the combine covers kv_lora_rank with 128 threads of 4 dims");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsQ + kRegsS + kRegsO <= 184, "register tiles would spill");
   // Pairs: each of the SM's four schedulers has 16,384 registers for its ceil(warps / 4) warps (11 warps:
@@ -377,6 +377,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
 template <class Cfg>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_kernel(const MlaVerifyParams p) {
+  ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
   float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);

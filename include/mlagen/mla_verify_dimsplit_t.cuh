@@ -157,7 +157,7 @@ struct MlaDimSplitTConfig {
   static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
   static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
   static_assert(kStages >= 2, "need at least two pipeline stages");
-  static_assert(kDimV / 4 <= 1024, "combine uses kv_lora_rank / 4 threads");
+  static_assert(kDimV % 32 == 0 && kDimV <= 512, "the combine covers kv_lora_rank with 128 threads of 4 dims");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
 };
@@ -165,6 +165,7 @@ struct MlaDimSplitTConfig {
 template <class Cfg>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
+  ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
   float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);

@@ -219,5 +219,23 @@ __device__ __forceinline__ float2 unpack_bf16x2(uint32_t v) {
   return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 
+// ---- Programmatic dependent launch (PTX ISA "griddepcontrol", sm_90+; sm_120 has it). A kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while the previous kernel in the stream still runs:
+// it must call griddep_wait() before touching anything that kernel writes. griddep_wait() returns once every CTA of
+// the previous grid has exited and its memory operations are visible. griddep_launch_dependents() lets the next
+// grid be scheduled once every CTA of this grid has called it (or exited). Both are no-ops without a dependent
+// launch, and compile to nothing below sm_90.
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace ptx
 }  // namespace mlagen
