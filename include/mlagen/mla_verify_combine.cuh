@@ -25,9 +25,11 @@ inline constexpr int kCombineThreads = 128;
 // Compile-time shape of the combine. A row's kDimV / 4 float4 columns are cut into kChunks chunks, one CTA per
 // (row, chunk, request). In a CTA, kLanes = kDimV / 4 / kChunks threads cover the chunk (4 dims each) and
 // kGroups = kCombineThreads / kLanes such groups read disjoint splits (s = g, g + kGroups, ...); group 0 sums them
-// through shared memory. kChunks 1: one CTA per row reads every split (a large batch has rows enough to fill the
-// GPU). kChunks 4 / 8: a row is spread over 4 / 8 CTAs with 4 / 8 times the loads in flight (few rows, many
-// splits: at batch 1 and long context, one CTA per row left 60 of 132 SMs idle, each CTA reading 63 partials).
+// through shared memory. kChunks 1: one CTA per row reads every split. kChunks 4 / 8: a row is spread over 4 / 8
+// CTAs with 4 / 8 times the loads in flight (few rows, many splits: at batch 1 and long context, one CTA per row
+// left 60 of 132 SMs idle, each CTA reading 63 partials). The launch picks kChunks from NSPLIT alone
+// (combine_chunks): with nsplit auto a large batch gets few splits and so one CTA per row; a fixed NSPLIT >= 8
+// spreads rows at every batch size (untimed at large batches).
 template <int kDimV, int kChunks>
 struct CombineShape {
   static constexpr int kLanes = kDimV / 4 / kChunks;

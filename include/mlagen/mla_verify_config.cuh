@@ -100,7 +100,7 @@ struct MlaVerifyConfig {
   static_assert(!kOverlap || kBulkLoad, "overlap needs load_width bulk");
   static_assert(kDimQK % 16 == 0, "kv_lora_rank + qk_rope_head_dim must be a multiple of 16");
   static_assert(kDimQK % kLoadElems == 0, "kv_lora_rank + qk_rope_head_dim must divide by the load width");
-  static_assert(kDimV % 32 == 0 && kDimV <= 512, "the combine covers kv_lora_rank with 128 threads of 4 dims");
+  static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16, "block_n must be a multiple of 16");
   static_assert(kWarps % kNGroups == 0 && kKGroups >= 1, "num_warps must be a multiple of block_n / 16");
   static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "num_warps must be 4, 8 or 16");

@@ -175,7 +175,7 @@ struct MlaDimSplitConfig {
                 "dimsplit fp8: load_width 128, one warp per row tile, num_warps = row_tiles + 3 (a producer and two "
                 "converter warps), kv_lora_rank 512 and qk_rope_head_dim 64");
   static_assert(kBlockN_ % kProducerWarps == 0 && kTokensPerProducer <= 32, "a producer lane per token of its share");
-  static_assert(kDimV % 32 == 0 && kDimV <= 512, "the combine covers kv_lora_rank with 128 threads of 4 dims");
+  static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsQ + kRegsS + kRegsO <= 184, "register tiles would spill");
   // Pairs: each of the SM's four schedulers has 16,384 registers for its ceil(warps / 4) warps (11 warps:

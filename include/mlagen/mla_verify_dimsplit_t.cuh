@@ -157,7 +157,7 @@ struct MlaDimSplitTConfig {
   static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
   static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
   static_assert(kStages >= 2, "need at least two pipeline stages");
-  static_assert(kDimV % 32 == 0 && kDimV <= 512, "the combine covers kv_lora_rank with 128 threads of 4 dims");
+  static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
 };

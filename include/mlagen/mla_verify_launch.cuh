@@ -53,8 +53,9 @@ inline bool combine_pdl_enabled() {
 
 // The combine of a config with kChunks dim chunks per row (mla_verify_combine.cuh). With PDL its CTAs may be
 // scheduled while the partial kernel's last CTAs still run (they wait in ptx::griddep_wait) instead of after the
-// partial kernel has drained; CUDA-graph capture keeps the programmatic edge. A driver that refuses the
-// attribute gets the plain launch. Without PDL, griddep_wait returns at once (stream order already holds).
+// partial kernel has drained; CUDA-graph capture keeps the programmatic edge. PDL is opt-in: a driver that
+// refuses the attribute returns its error (no silent fallback, which could not work inside a stream capture
+// anyway). Without PDL, griddep_wait returns at once (stream order already holds).
 template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks>;
@@ -70,8 +71,7 @@ cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t str
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, p) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();  // not supported here: clear the error, launch it plainly
+    return cudaLaunchKernelEx(&cfg, kernel, p);
   }
   kernel<<<grid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
