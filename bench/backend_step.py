@@ -147,7 +147,7 @@ def _breakdown(be, layer, fb, b, T, reps: int) -> None:
         ("empty CUDA launch (torch add_)", lambda: out.add_(0)),
         ("out = q.new_empty([T, H * 512]) (CUDA caching allocator)", lambda: b.q.new_empty((qv.shape[0], H * 512))),
         ("pool.get_key_buffer (SGLang)", lambda: be.token_to_kv_pool.get_key_buffer(layer.layer_id)),
-        ("draft-row arguments (backend._new_kv)", lambda: be._new_kv(kern, b.k, fb, qv.shape[0], layer.qk_head_dim)),
+        ("draft-row arguments (backend._new_kv)", lambda: be._new_kv(b.k, fb, qv.shape[0], layer.qk_head_dim)),
     ]
     print("\nhost µs of the parts of one eager step (median; GPU idle at each start)\n\n| part | host µs |\n|---|---|")
     for label, fn in parts:

@@ -33,7 +33,7 @@ AUTO_WAVE_SLACK_CLUSTER = 1.05
 
 # fill_metadata: index dtypes the kernel reads, and its tree modes (the MetaTreeMode ints of
 # include/mlagen/mla_verify_metadata.cuh).
-_INDEX_DTYPES = (torch.int32, torch.int64)
+INDEX_DTYPES = (torch.int32, torch.int64)  # seq_lens / req_pool_indices / req_to_token index dtypes
 _TREE_NONE, _TREE_CAUSAL, _TREE_QLEN, _TREE_FULL = 0, 1, 2, 3
 _TREE_MODES = {"causal": _TREE_CAUSAL, "qlen_only": _TREE_QLEN, "full_mask": _TREE_FULL}
 
@@ -588,31 +588,47 @@ class MetadataFill:
     def __call__(self, seq_lens, req_pool_indices, *, extra: int, num_padding: int, npages: int, q_len: int = 0,
                  tree_mode: str | None = None, custom_mask=None) -> None:
         """Fill the bound buffers for this step (arguments and errors as :meth:`VerifyKernel.fill_metadata`)."""
-        bs = seq_lens.shape[0]
-        sl_dt, rpi_dt = seq_lens.dtype, req_pool_indices.dtype
-        if sl_dt not in _INDEX_DTYPES or rpi_dt not in _INDEX_DTYPES:
-            raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {sl_dt} and {rpi_dt}")
+        if seq_lens.dtype not in INDEX_DTYPES or req_pool_indices.dtype not in INDEX_DTYPES:
+            raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {seq_lens.dtype} and "
+                             f"{req_pool_indices.dtype}")
         if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous()):
             raise ValueError("seq_lens and req_pool_indices must be contiguous")
-        mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
         if self._has_tree:
             mode = _TREE_MODES.get(tree_mode)
             if mode is None:
                 raise ValueError(f"tree_mode must be one of {sorted(_TREE_MODES)} with a tree_mask, got {tree_mode!r}")
+            if mode != _TREE_CAUSAL and (custom_mask is None or custom_mask.dtype not in (torch.bool, torch.uint8)
+                                         or not custom_mask.is_contiguous()):
+                raise ValueError(f"tree_mode {tree_mode!r} needs a contiguous bool/uint8 custom_mask, got "
+                                 f"{getattr(custom_mask, 'dtype', None)}")
+        self.launch(seq_lens, req_pool_indices, extra=extra, num_padding=num_padding, npages=npages, q_len=q_len,
+                    tree_mode=tree_mode, custom_mask=custom_mask)
+
+    def launch(self, seq_lens, req_pool_indices, *, extra: int, num_padding: int, npages: int, q_len: int = 0,
+               tree_mode: str | None = None, custom_mask=None) -> None:
+        """:meth:`__call__` without its layout checks, for a caller that made them (the SGLang backend picks this
+        path or its torch helpers by the same tests): seq_lens / req_pool_indices int32 or int64, contiguous, on
+        the buffers' device; with a tree_mask, tree_mode one of ``causal`` / ``qlen_only`` / ``full_mask`` and,
+        unless causal, a contiguous bool/uint8 custom_mask.
+
+        Raises:
+            ValueError: a QLEN_ONLY custom_mask with fewer cells than (bs - num_padding) * q_len^2.
+            RuntimeError: sizes out of range for the kernel, or the launch failed.
+        """
+        bs = seq_lens.shape[0]
+        mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
+        if self._has_tree:
+            mode = _TREE_MODES[tree_mode]
             if mode != _TREE_CAUSAL:
-                if (custom_mask is None or custom_mask.dtype not in (torch.bool, torch.uint8)
-                        or not custom_mask.is_contiguous()):
-                    raise ValueError(f"tree_mode {tree_mode!r} needs a contiguous bool/uint8 custom_mask, got "
-                                     f"{getattr(custom_mask, 'dtype', None)}")
                 mask_ptr, mask_numel = custom_mask.data_ptr(), custom_mask.numel()
                 need = (bs - num_padding) * q_len * q_len
                 if mode == _TREE_QLEN and mask_numel < need:
                     raise ValueError(f"QLEN_ONLY verify mask has {mask_numel} elements, {need} needed "
                                      f"for {bs - num_padding} requests of {q_len} draft tokens")
         idx = self._device_index
-        args = (seq_lens.data_ptr(), int(sl_dt == torch.int64), req_pool_indices.data_ptr(),
-                int(rpi_dt == torch.int64), *self._table, mask_ptr, mask_numel, *self._outs, bs, num_padding, extra,
-                npages, self._page_size, q_len, mode, _raw_stream(idx))
+        args = (seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), req_pool_indices.data_ptr(),
+                int(req_pool_indices.dtype == torch.int64), *self._table, mask_ptr, mask_numel, *self._outs, bs,
+                num_padding, extra, npages, self._page_size, q_len, mode, _raw_stream(idx))
         if idx == torch.cuda.current_device():
             self._module.fill_metadata(*args)
         else:

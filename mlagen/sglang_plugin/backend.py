@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 
+from mlagen.ops import INDEX_DTYPES
 from mlagen.sglang_plugin import metadata as md
 from mlagen.sglang_plugin.checks import MlagenSetupError, ServerFacts, run_startup_checks
 from mlagen.sglang_plugin.installed import read_installed
@@ -64,6 +65,7 @@ class MlagenMetadata:
     workspace: torch.Tensor  # fp32 1-D
     batch: Any = None  # mlagen.ops.VerifyBatch: the above, validated once for every layer's launch
     dims: tuple = ()  # the kernel's (heads, dim_qk, dim_v), read once per step instead of per layer
+    new_kv: bool = False  # the kernel's module takes the step's draft rows (has_new_kv), read once per plan
 
 
 class MlagenAttnBackend(_Base):
@@ -224,7 +226,8 @@ class MlagenAttnBackend(_Base):
             return p[7], p[8]
         batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
         meta = MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
-                              tree_mask=tree, workspace=ws, batch=batch, dims=dims)
+                              tree_mask=tree, workspace=ws, batch=batch, dims=dims,
+                              new_kv=bool(getattr(kernel, "has_new_kv", False)))
         filler = (kernel.metadata_filler(kv_lens, table, self.req_to_token, tree_mask=tree, page_size=self.page_size)
                   if fused and kv_lens.is_cuda else None)
         self._plans[slot] = (kernel, kv_lens, table, tree, ws, q_len, cap, meta, filler)
@@ -325,11 +328,13 @@ class MlagenAttnBackend(_Base):
                 mode, custom = "causal", None
             else:
                 mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
-        if (filler is not None and rpi.is_cuda and rpi.is_contiguous() and seq_lens.is_contiguous()
+        if (filler is not None and rpi.is_cuda and rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES
+                and rpi.is_contiguous() and seq_lens.is_contiguous()
                 and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()))):
-            # the fused fill writes npages columns of the full-width table
-            filler(seq_lens, rpi, extra=extra, num_padding=npad, npages=npages, q_len=q_len, tree_mode=mode,
-                   custom_mask=custom)
+            # the fused fill (these tests are MetadataFill's own checks, made once here) writes npages columns of
+            # the full-width table
+            filler.launch(seq_lens, rpi, extra=extra, num_padding=npad, npages=npages, q_len=q_len, tree_mode=mode,
+                          custom_mask=custom)
         else:  # the torch helpers (CPU, stand-in kernels, modules built before fill_metadata, other masks)
             md.fill_kv_lens(kv_lens, seq_lens, extra, npad)
             md.fill_block_table(table[:, :npages], self.req_to_token, rpi, self._cols[:npages], self.page_size)
@@ -501,8 +506,8 @@ class MlagenAttnBackend(_Base):
                 k = k / layer.k_scale  # as SGLang's Triton backend stores it (a new tensor: k stays unchanged)
             # The launch stores this step's rows itself (include/mlagen/mla_verify_new_kv.cuh) and reads the
             # draft tokens from k: one launch instead of SGLang's write + ours.
-            if fast:
-                new_kv = self._new_kv(kernel, k, forward_batch, T, D)
+            if fast and meta.new_kv:
+                new_kv = self._new_kv(k, forward_batch, T, D)
             if not new_kv:
                 KVWriteLoc = self._kv_write_loc
                 if KVWriteLoc is None:
@@ -534,12 +539,12 @@ class MlagenAttnBackend(_Base):
             out.mul_(v_descale)
         return out
 
-    def _new_kv(self, kernel, k, forward_batch, T: int, D: int) -> tuple:
+    def _new_kv(self, k, forward_batch, T: int, D: int) -> tuple:
         """(k_new address, row stride, out_cache_loc address) when the launch can store ``k`` itself
-        (the pool allows it, the module has draft-row support, k is bf16 [>= T, (1,) D] with 16-byte
+        (the caller checked the module's draft-row support; the pool allows it, k is bf16 [>= T, (1,) D] with 16-byte
         aligned contiguous rows, out_cache_loc int64 [>= T] contiguous on k's device; the loc is checked
         once per step; only the first T = bs * q_len rows are read and stored); else () and SGLang writes."""
-        if not (self._kernel_writes_kv() and getattr(kernel, "has_new_kv", False)):
+        if not self._kernel_writes_kv():
             return ()
         loc = getattr(forward_batch, "out_cache_loc", None)
         seen, seen_t, ok = self._loc_ok
