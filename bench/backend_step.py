@@ -6,7 +6,7 @@ with SGLang's custom tree mask, req_to_token, an MLA KV pool): each backend capt
 CUDA-graph runner does; the time is the median of CUDA-event-timed replays (µs) of the captured
 step, with the batch's metadata set once out of graph after capture. Also reports the eager step
 (metadata + forward, timed together) and its excess over the captured step (the bar: <= 60 µs for
-one layer), and, for the first batch size and context, the host time of an eager step through
+one layer), also with the metadata launch the kernel's run_direct replaces (same process), and, for the first batch size and context, the host time of an eager step through
 ``--layers`` layers (61: DeepSeek-V3 / Kimi-K2) with mlagen's per-batch check + per-layer launch, with
 the fully checked call per layer (``VerifyKernel.__call__``), and Triton's.
 
@@ -102,6 +102,13 @@ def _timeline(fn, title: str, reps: int = 7) -> None:
 
 
 EAGER_BAR_US = 60.0  # eager step <= captured step + this, for one layer
+
+
+def _set_direct(be, on: bool) -> None:
+    """Whether mlagen's eager steps let the kernel read SGLang's batch state (run_direct) or launch the
+    metadata fill first (the kernel info the backend caches is re-read)."""
+    be.direct_eager = on
+    be._kernel_info.clear()
 
 
 def _host_us(fn, reps: int) -> float:
@@ -218,9 +225,9 @@ def main() -> int:
     runner, ref, ours, layer = T._make_backends(sgl, {("verify", H, ps, "tree"): k}, H, ps, q, "verify", "tree")
     gen = torch.Generator().manual_seed(7)
     print(f"\n| H | q_len | bs | ctx | mlagen graph µs | Triton graph µs | speedup | mlagen eager µs | Triton eager µs "
-          f"| mlagen eager - graph µs (<= {EAGER_BAR_US:.0f}) | mlagen eager GPU µs (host hidden) | mlagen eager µs quartiles "
-          f"| max |diff| |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| mlagen eager - graph µs (<= {EAGER_BAR_US:.0f}) | the same with the metadata launch | mlagen eager GPU µs "
+          f"(host hidden) | mlagen eager µs quartiles | max |diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     host_rows, failed = [], []
     for bs in bss:
         T_tok = bs * q
@@ -230,7 +237,10 @@ def main() -> int:
             b = T._Batch(sgl, runner, "verify", q, bs, True, gen, lens=[ctx] * bs)
             res, outs = {}, {}
             for name, be in (("ref", ref), ("ours", ours)):
-                fb_eager = b.forward_batch()  # host lengths read here once, as the scheduler hands them over
+                # host lengths read here once, as the scheduler hands them over; the custom mask each backend gets
+                # from SGLang's draft stage: mlagen's verify mask is QLEN_ONLY (q x q cells per request), Triton's
+                # FULL_MASK
+                fb_eager = b.forward_batch(b.qlen_mask if name == "ours" else None)
 
                 def eager(be=be, fb=fb_eager):
                     be.init_forward_metadata(fb)
@@ -245,8 +255,18 @@ def main() -> int:
                 res[name + "_eager"] = statistics.median(ts)
                 q1, _, q3 = statistics.quantiles(ts, n=4)
                 res[name + "_eager_iqr"] = f"{q1:.0f}-{q3:.0f}"
+                if name == "ours":
+                    res["direct"] = bool(getattr(be.forward_metadata.batch, "direct", False))
                 # the eager step's GPU time with the host hidden (~1 ms of sleep queued ahead of it)
                 res[name + "_eager_gpu"] = events_median_us(eager, max(4, a.reps), hide_host_cycles=2_000_000)
+                if name == "ours":  # the same step with the metadata launch (the path before run_direct), same host
+                    _set_direct(be, False)
+                    try:
+                        for _ in range(10):
+                            eager()
+                        res["ours_eager_fill"] = statistics.median(events_times_us(eager, max(4, a.reps)))
+                    finally:
+                        _set_direct(be, True)
                 if a.timeline:
                     try:
                         _timeline(eager, f"{name} eager step, bs {bs} ctx {ctx}")
@@ -261,12 +281,15 @@ def main() -> int:
                         be.init_forward_metadata(fb)
                         for _ in range(a.layers):
                             T._forward(be, layer, fb, b.q, b.k, "verify")
-                    variants = [("Triton", None)] if name == "ref" else [
-                        ("mlagen", None), ("mlagen, SGLang's KV write + checked call per layer", _checked_launch(k))]
-                    for label, launch in variants:
+                    variants = [("Triton", None, True)] if name == "ref" else [
+                        ("mlagen", None, True), ("mlagen, metadata launch (no run_direct)", None, False),
+                        ("mlagen, SGLang's KV write + checked call per layer", _checked_launch(k), False)]
+                    for label, launch, direct in variants:
                         if launch is not None:  # the per-layer path before the launch took over the KV write
                             k.launch = launch
                             be._pool_write_ok = False
+                        if name == "ours":
+                            _set_direct(be, direct)
                         try:
                             step()
                             host_rows.append((label, _host_us(step, max(5, a.reps // 5)),
@@ -276,6 +299,8 @@ def main() -> int:
                         finally:
                             k.__dict__.pop("launch", None)
                             be._pool_write_ok = None
+                            if name == "ours":
+                                _set_direct(be, True)
                 fb = b.forward_batch()
                 be.init_forward_metadata_out_graph(fb, in_capture=True)
                 s = torch.cuda.Stream()
@@ -298,7 +323,8 @@ def main() -> int:
                 failed.append((bs, ctx, excess))
             print(f"| {H} | {q} | {bs} | {ctx} | {res['ours_graph']:.1f} | {res['ref_graph']:.1f} | "
                   f"{res['ref_graph'] / res['ours_graph']:.1f}x | {res['ours_eager']:.1f} | {res['ref_eager']:.1f} | "
-                  f"{excess:.1f}{'' if excess <= EAGER_BAR_US else ' (over)'} | {res['ours_eager_gpu']:.1f} | "
+                  f"{excess:.1f}{'' if excess <= EAGER_BAR_US else ' (over)'}{'' if res['direct'] else ' (not direct)'} | "
+                  f"{res['ours_eager_fill'] - res['ours_graph']:.1f} | {res['ours_eager_gpu']:.1f} | "
                   f"{res['ours_eager_iqr']} | {diff:.3g} |",
                   flush=True)
     if host_rows:

@@ -352,6 +352,118 @@ class VerifyKernel:
         return VerifyBatch(bs, q_len, splits, kv_lens, block_table, tree_mask, req_pool_indices, workspace,
                            (head, tail, dev.index))
 
+    # ---- SGLang's batch state read by the kernel itself (eager steps: no metadata launch)
+    @property
+    def has_direct(self) -> bool:
+        """Whether the compiled module has ``run_direct`` (reads seq_lens / req_to_token / a QLEN_ONLY mask
+        itself; modules built before it do not: rebuild them with ``mlagen build``)."""
+        return hasattr(self.module, "run_direct")
+
+    def direct_plan(self, req_to_token, *, q_len: int, batch_size: int, workspace=None) -> "DirectPlan":
+        """Validate what stays fixed across steps of one batch size for :meth:`direct_batch`: SGLang's
+        req_to_token and the workspace.
+
+        Args:
+            req_to_token: int32 [pool_rows, width] cache slots, one per token position (SGLang's
+                ``ReqToTokenPool.req_to_token``; any page size: a page's slots are contiguous), last dim
+                contiguous.
+            q_len: draft tokens per request, 1 <= q_len <= variant.q_len.
+            batch_size: requests per launch (padded rows included), 0..65,535.
+            workspace: optional fp32 1-D (:meth:`alloc_workspace`); allocated when None.
+        Returns:
+            A :class:`DirectPlan`.
+        Raises:
+            ValueError: a wrong dtype, shape, device or stride, a batch size out of range, a workspace too
+                small, misaligned or overlapping req_to_token, or a module without ``run_direct``.
+        """
+        v = self.variant
+        if not self.has_direct:
+            raise ValueError(f"{v.uri}: this build has no run_direct; rebuild it with `mlagen build`")
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
+            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 0 <= batch_size <= 65535:
+            raise ValueError(f"batch_size must be an int in [0, 65535], got {batch_size!r}")
+        _check(req_to_token, "req_to_token", torch.int32, ndim=2)
+        if req_to_token.stride(1) != 1 or req_to_token.shape[0] < 1:
+            raise ValueError(f"req_to_token must have >= 1 row and a contiguous last dim; shape "
+                             f"{tuple(req_to_token.shape)}, strides {req_to_token.stride()}")
+        dev = req_to_token.device
+        _check_devices(dev, [req_to_token, workspace])
+        splits = self.num_splits(batch_size, dev)
+        workspace = self._checked_workspace(workspace, batch_size, splits, dev, dict(req_to_token=req_to_token))
+        o_part = workspace.data_ptr()
+        lse_part = o_part + batch_size * splits * v.rows_max * v.dim_v * 4
+        table = (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1])
+        return DirectPlan(batch_size, q_len, splits, req_to_token, workspace, table, (o_part, lse_part),
+                          (batch_size, q_len, splits, self.min_tiles_per_split()), dev.index)
+
+    def direct_batch(self, plan: "DirectPlan", seq_lens, req_pool_indices, *, extra: int, num_padding: int = 0,
+                     qlen_mask=None, tree_rows=None, checked: bool = True) -> "VerifyBatch":
+        """A step's batch for :meth:`launch` that the kernel reads from SGLang's own tensors
+        (include/mlagen/mla_verify_batch.cuh): no metadata launch, no host sync.
+
+        Request b (< bs - num_padding) attends to kv_len = seq_lens[b] + extra positions of row
+        req_pool_indices[b] of the plan's req_to_token (clamped to its width); the last num_padding rows
+        (SGLang's DP-attention padding) have kv_len 0 and output 0, and never read the mask.
+
+        Args:
+            plan: from :meth:`direct_plan` (its batch size is bs).
+            seq_lens: int32 / int64 [>= bs] contiguous (SGLang's verify seq_lens exclude the draft tokens).
+            req_pool_indices: int32 / int64 [>= bs] contiguous.
+            extra: int >= 0 added to seq_lens (q_len for target verify, 0 for decode).
+            num_padding: int in [0, bs].
+            qlen_mask: tree variants: bool / uint8 1-D contiguous, SGLang's TreeMaskMode.QLEN_ONLY custom
+                mask (request b's [q_len, q_len] block at b * q_len^2; cell [i, j] != 0: draft i sees draft
+                j), >= (bs - num_padding) * q_len^2 cells; or
+            tree_rows: tree variants: int64 [q_len] contiguous bitmask rows shared by every request (bit j
+                of row i: draft i sees draft j; e.g. causal bits for chain drafts).
+            checked: False skips the dtype / layout / device checks above (a caller that made them, as the
+                SGLang backend does once per step); the mask size check always runs.
+        Returns:
+            A :class:`VerifyBatch` (direct) for :meth:`launch`; it keeps the step's tensors alive.
+        Raises:
+            ValueError: an argument out of the contract above; nothing is launched.
+        """
+        bs, q_len = plan.bs, plan.q_len
+        tree = self.variant.mask == "tree"
+        if checked:
+            for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices)):
+                if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES or t.dim() != 1:
+                    raise ValueError(f"{name} must be a 1-D int32 / int64 tensor, got {getattr(t, 'dtype', t)}")
+                if t.shape[0] < bs or not t.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous with >= {bs} elements, got {tuple(t.shape)}")
+            if isinstance(extra, bool) or not isinstance(extra, int) or not 0 <= extra < 2**31:
+                raise ValueError(f"extra must be an int >= 0, got {extra!r}")
+            if isinstance(num_padding, bool) or not isinstance(num_padding, int) or not 0 <= num_padding <= bs:
+                raise ValueError(f"num_padding must be an int in [0, {bs}], got {num_padding!r}")
+            if tree and (qlen_mask is None) == (tree_rows is None):
+                raise ValueError(f"{self.variant.uri} uses a tree mask: pass exactly one of qlen_mask / tree_rows")
+            if qlen_mask is not None and (not isinstance(qlen_mask, torch.Tensor) or qlen_mask.dim() != 1
+                                          or qlen_mask.dtype not in (torch.bool, torch.uint8)
+                                          or not qlen_mask.is_contiguous()):
+                raise ValueError(f"qlen_mask must be a contiguous 1-D bool / uint8 tensor, got "
+                                 f"{getattr(qlen_mask, 'dtype', qlen_mask)}")
+            if tree_rows is not None:
+                _check(tree_rows, "tree_rows", torch.int64, shape=(q_len,))
+                if not tree_rows.is_contiguous():
+                    raise ValueError("tree_rows must be contiguous")
+            _check_devices(plan.req_to_token.device, [seq_lens, req_pool_indices, qlen_mask, tree_rows])
+        mask_ptr = tree_ptr = 0
+        if tree and qlen_mask is not None:
+            need = (bs - num_padding) * q_len * q_len
+            if qlen_mask.numel() < need:
+                raise ValueError(f"QLEN_ONLY verify mask has {qlen_mask.numel()} elements, {need} needed "
+                                 f"for {bs - num_padding} requests of {q_len} draft tokens")
+            mask_ptr = qlen_mask.data_ptr()
+        elif tree:
+            tree_ptr = tree_rows.data_ptr()
+        head = (*plan.table, req_pool_indices.data_ptr(), int(req_pool_indices.dtype == torch.int64),
+                seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), extra, bs - num_padding, mask_ptr, tree_ptr,
+                0, *plan.ws_args)
+        return VerifyBatch(bs, q_len, plan.splits, None, plan.req_to_token, tree_rows, req_pool_indices,
+                           plan.workspace, (head, plan.tail, plan.device_index), direct=True,
+                           keep=(seq_lens, qlen_mask))
+
     # ---- per-batch metadata in one launch (the SGLang backend's path)
     @property
     def has_fill_metadata(self) -> bool:
@@ -476,7 +588,12 @@ class VerifyKernel:
         """
         if batch.launch_args and batch.launch_args[2] == torch.cuda.current_device():
             head, tail, idx = batch.launch_args
-            self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, _raw_stream(idx), new_kv)
+            self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, _raw_stream(idx), new_kv, batch.direct)
+            return out, lse
+        if batch.direct:  # another current device: launch on the batch's
+            head, tail, idx = batch.launch_args
+            with torch.cuda.device(idx):
+                self._run_module(q, kv_cache, head, tail, out, lse, softmax_scale, _raw_stream(idx), new_kv, True)
             return out, lse
         # another current device, or a batch built by hand (no resolved arguments)
         return self._launch(q, kv_cache, batch.block_table, batch.req_pool_indices, batch.kv_lens, batch.tree_mask,
@@ -550,16 +667,16 @@ class VerifyKernel:
         return head, (bs, q_len, splits, self.min_tiles_per_split())
 
     def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int,
-                    new_kv: tuple = ()) -> None:
+                    new_kv: tuple = (), direct: bool = False) -> None:
         lse_args = (lse.data_ptr(), lse.stride(0)) if lse is not None else (0, 0)
-        if self.has_new_kv:  # ABI 2: the draft-row arguments sit between lse and the batch size
+        if direct or self.has_new_kv:  # ABI 2 (run_direct too): the draft-row arguments sit between lse and bs
             kv_args = new_kv or _NO_NEW_KV
         elif new_kv:
             raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it")
         else:
             kv_args = ()
         v = self.variant  # a 2-D q / out ([T, H * D]) has its heads D elements apart
-        self.module.run(q.data_ptr(), q.stride(0), q.stride(1) if q.dim() == 3 else v.dim_qk, kv2.data_ptr(),
+        (self.module.run_direct if direct else self.module.run)(q.data_ptr(), q.stride(0), q.stride(1) if q.dim() == 3 else v.dim_qk, kv2.data_ptr(),
                         kv2.stride(0), *head, out.data_ptr(), out.stride(0),
                         out.stride(1) if out.dim() == 3 else v.dim_v, *lse_args, *kv_args, *tail,
                         float(softmax_scale), stream)
@@ -671,17 +788,37 @@ def _check_devices(device, tensors) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyBatch:
-    """A batch's metadata validated by :meth:`VerifyKernel.check_batch` (tensors as passed to it)."""
+    """A batch's metadata validated by :meth:`VerifyKernel.check_batch` (tensors as passed to it), or a step of
+    SGLang's batch state from :meth:`VerifyKernel.direct_batch` (``direct``: kv_lens None, block_table the
+    req_to_token, tree_mask the shared tree rows or None)."""
 
     bs: int
     q_len: int
     splits: int
-    kv_lens: torch.Tensor
+    kv_lens: torch.Tensor | None
     block_table: torch.Tensor
     tree_mask: torch.Tensor | None
     req_pool_indices: torch.Tensor | None
     workspace: torch.Tensor
     launch_args: tuple = ()  # (run's batch arguments before out, after lse, device index): see check_batch
+    direct: bool = False  # launched by module.run_direct (mla_verify_batch.cuh)
+    keep: tuple = ()  # the step's other tensors (seq_lens, the QLEN_ONLY mask), held while the batch lives
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectPlan:
+    """What :meth:`VerifyKernel.direct_plan` validated for one batch size: req_to_token int32 [rows, width],
+    the workspace, and module.run_direct's arguments derived from them."""
+
+    bs: int
+    q_len: int
+    splits: int
+    req_to_token: torch.Tensor
+    workspace: torch.Tensor
+    table: tuple  # (address, row stride, rows, width)
+    ws_args: tuple  # (o_part address, lse_part address)
+    tail: tuple  # (bs, q_len, splits, min tiles per split)
+    device_index: int
 
 
 def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: int | None = None) -> None:

@@ -1053,3 +1053,81 @@ def test_fp8_kv_server_selects_fp8_variants_only():
         checks.run_startup_checks(_facts(kv_cache_dtype="float8_e5m2"), _state(fp8))
     with pytest.raises(installed.InstalledStateError, match="kv_dtype must be one of"):
         installed.validate_state(_state(_entry(kv_dtype="fp4")))
+
+
+class _DirectRefKernel(_RefKernel):
+    """A ``_RefKernel`` whose module has ``run_direct``: ``direct_batch`` records what the backend hands the
+    kernel and turns it into the reference's inputs the way include/mlagen/mla_verify_batch.cuh reads them
+    (kv_len = seq_lens + extra for real rows, 0 for padded ones; pages from req_to_token's token slots;
+    tree rows from the QLEN_ONLY mask or the shared rows)."""
+
+    has_direct = True
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.counts.update(direct_plan=0, direct_batch=0)
+        self.direct_args = []
+
+    def direct_plan(self, req_to_token, *, q_len, batch_size, workspace=None):
+        self.counts["direct_plan"] += 1
+        return types.SimpleNamespace(r2t=req_to_token, q_len=q_len, bs=batch_size, workspace=workspace)
+
+    def direct_batch(self, plan, seq_lens, req_pool_indices, *, extra, num_padding=0, qlen_mask=None,
+                     tree_rows=None, checked=True):
+        self.counts["direct_batch"] += 1
+        self.direct_args.append(dict(extra=extra, num_padding=num_padding, qlen_mask=qlen_mask, tree_rows=tree_rows))
+        bs, q_len, ps = plan.bs, plan.q_len, self.variant.page_size
+        real = bs - num_padding
+        kv_lens = (seq_lens[:bs] + extra).to(torch.int32)
+        kv_lens[real:] = 0
+        table = (plan.r2t[req_pool_indices[:bs].long()][:, ::ps] // ps).contiguous()
+        tree = None
+        if self.variant.mask == "tree":
+            tree = torch.zeros(bs, q_len, dtype=torch.int64)
+            if qlen_mask is not None:
+                tree[:real] = md.pack_qlen_mask(qlen_mask, real, q_len)
+            else:
+                tree[:] = tree_rows
+        return types.SimpleNamespace(bs=bs, q_len=q_len, kv_lens=kv_lens, block_table=table, tree_mask=tree,
+                                     workspace=plan.workspace, direct=True)
+
+
+@pytest.mark.parametrize("mask_layout", ["qlen_only", "none", "full_mask"])
+@pytest.mark.parametrize("real, bs", [(3, 3), (2, 4)])
+def test_eager_step_reads_sglang_state_directly(kv_write_loc, mask_layout, real, bs):
+    """Eager target verify with a kernel that has run_direct: no metadata fill; the kernel gets SGLang's
+    seq_lens / req_pool_indices, extra = q_len, the DP padding count, and the QLEN_ONLY custom mask (or the
+    causal rows when there is none). A FULL_MASK custom mask takes the filled buffers instead. Real rows
+    match the reference, padded rows output 0; a q the launch cannot take goes through the checked call
+    on freshly filled buffers."""
+    gen = torch.Generator().manual_seed(900 + 10 * real + bs + len(mask_layout))
+    s = _verify_setup(gen, real=real, bs=bs)
+    s.be.verify_kernel = k = _DirectRefKernel(s.H, s.q_len, "tree", s.ps)
+    s.be._kernel_info.clear()
+    if mask_layout == "qlen_only":
+        s.fb.spec_info.custom_mask = _qlen_blocks(s.parents).to(torch.uint8)
+    elif mask_layout == "none":
+        s.fb.spec_info.custom_mask = None
+        s.tree = md.causal_bits(s.q_len, "cpu").expand(real, s.q_len).clone()
+    scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+    out = _verify_forward(s, _layer(s.H, scale))
+    want = _expected(s, s.pool.kv_buffer[0], scale)
+    assert (out[: real * s.q_len] - want).abs().max().item() < 2e-2
+    assert out[real * s.q_len:].abs().max().item() == 0.0 if bs > real else True
+    direct = mask_layout != "full_mask"
+    assert k.counts["direct_batch"] == int(direct) and k.counts["check_batch"] == int(not direct)
+    assert k.counts["launch"] == 1 and k.counts["call"] == 0
+    if direct:
+        a = k.direct_args[0]
+        assert a["extra"] == s.q_len and a["num_padding"] == bs - real
+        if mask_layout == "qlen_only":
+            assert a["qlen_mask"] is s.fb.spec_info.custom_mask and a["tree_rows"] is None
+        else:
+            assert a["qlen_mask"] is None and a["tree_rows"].tolist() == s.tree[0].tolist()
+        assert s.be.forward_metadata.kv_lens is None  # nothing filled
+        s.be.init_forward_metadata(s.fb)  # a second step reuses the plan
+        assert k.counts["direct_plan"] == 1 and k.counts["direct_batch"] == 2
+        out2 = s.be.forward_extend(s.q.float(), s.k, s.k[..., :512], _layer(s.H, scale), s.fb)
+        assert k.counts["call"] == 1 and s.be.forward_metadata.kv_lens.tolist() == (
+            (s.lens + s.q_len).tolist() + [0] * (bs - real))
+        assert (out2.float().view(-1, s.H, 512)[: real * s.q_len] - want).abs().max().item() < 2e-2

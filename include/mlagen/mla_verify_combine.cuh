@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "mlagen/mla_verify_batch.cuh"
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const int lane = tid % kLanes, group = tid / kLanes;
   ptx::griddep_wait();  // the partial kernel's o_part / lse_part are complete and visible from here on
   const int64_t base = static_cast<int64_t>(b) * p.num_splits * kRowsMax + row;
-  const int ns = live_splits(p.kv_lens[b], kBlockN, p.num_splits, p.min_tiles_per_split);
+  const int ns = live_splits(request_kv_len(p, b), kBlockN, p.num_splits, p.min_tiles_per_split);
 
   // lse_max over splits (block reduction)
   float m = -INFINITY;

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "mlagen/mla_verify_batch.cuh"
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_new_kv.cuh"
@@ -48,6 +49,7 @@ struct MlaDimSplitConfig {
   static constexpr bool kDimSplit = true;
   static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only
   static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
+  static constexpr bool kZeroFillTail = false;  // the ring is zeroed up front (zero_kv_ring)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
   // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).
   static constexpr bool kKvFp8 = kKvFp8_;
@@ -208,7 +210,7 @@ __device__ __forceinline__ bool cluster_split_begin(const MlaVerifyParams& p, in
   w.row0 = row_block * Cfg::kRowsPerCta;
   if (w.row0 >= w.rows) return false;
   w.live_rows = w.rows - w.row0 < Cfg::kRowsPerCta ? w.rows - w.row0 : Cfg::kRowsPerCta;
-  w.kv_len = p.kv_lens[b];
+  w.kv_len = request_kv_len(p, b);
   w.prefix_len = w.kv_len - p.q_len;
   split_tile_range(w.kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, w.tile_begin, w.tile_end);
   if (row_block == 0 && split == 0) {
@@ -265,16 +267,6 @@ __device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& 
   return p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
 }
 
-// Request b's row of the block table (row req_idx[b] when SGLang's req_pool_indices are passed, else b).
-__device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams& p, int b) {
-  int64_t table_row = b;
-  if (p.req_idx != nullptr) {
-    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
-                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
-  }
-  return p.block_table + table_row * p.block_table_stride;
-}
-
 // The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
 // half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
 // +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
@@ -296,12 +288,12 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
   };
   auto page_of = [&](int tile) -> int32_t {  // the page-table entry (0 when the row does not come from the table)
     const int pos = pos_of(tile);
-    return from_table(pos) ? page_row[pos / Cfg::kPageSize] : 0;
+    return from_table(pos) ? table_entry<Cfg::kPageSize>(p, page_row, pos) : 0;
   };
   auto addr_of = [&](int tile, int32_t page) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len
     const int pos = pos_of(tile);
     if (lane >= Cfg::kTokensPerProducer || pos >= kv_len) return kNoSlot;
-    const int64_t slot = from_table(pos) ? static_cast<int64_t>(page) * Cfg::kPageSize + pos % Cfg::kPageSize
+    const int64_t slot = from_table(pos) ? entry_slot<Cfg::kPageSize>(p, page, pos)
                                          : new_row_slot(static_cast<int64_t>(b) * p.q_len + (pos - prefix_len));
     return reinterpret_cast<int64_t>(kv_row_src(p, slot));
   };
@@ -319,7 +311,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
       const int pos = pos_of(tile + kPf);
       if (i + kPf < num_tiles && from_table(pos)) {
         const __nv_bfloat16* row =
-            row_at(reinterpret_cast<int64_t>(kv_row_src(p, static_cast<int64_t>(page_pf) * Cfg::kPageSize + pos % Cfg::kPageSize)));
+            row_at(reinterpret_cast<int64_t>(kv_row_src(p, entry_slot<Cfg::kPageSize>(p, page_pf, pos))));
 #pragma unroll
         for (int c = 0; c < Cfg::kLatentBytes / 128; ++c) ptx::prefetch_l2(row + rank * Cfg::kLatentHalf + c * 64);
         if constexpr (Cfg::kRopeHalf > 0) ptx::prefetch_l2(row + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf);
@@ -367,6 +359,15 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
             ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
                                     row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
           }
+        }
+      }
+      if constexpr (Cfg::kZeroFillTail) {
+        // Rows past kv_len in the request's last tile: src-size 0 copies write zeros, which P = 0 cancels
+        // (the ring is then never zeroed up front).
+        for (int n = mine; n < Cfg::kTokensPerProducer; ++n) {
+          __nv_bfloat16* dst = dst_mine + n * Cfg::kKvRowElems;
+          if (lane < Cfg::kLatentChunks) ptx::cp_async_zfill<16>(dst + lane * 8, p.kv, false);
+          if (lane < Cfg::kRopeChunks) ptx::cp_async_zfill<16>(dst + Cfg::kLatentHalf + lane * 8, p.kv, false);
         }
       }
       ptx::cp_async_mbarrier_arrive_noinc(full_bar + stage);  // this lane's copies complete on full[stage]
@@ -443,8 +444,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       auto slot_of = [&](int tile) -> int64_t {  // byte address of the cache row, kNoSlot when not loaded
         const int pos = tile * Cfg::kBlockN + lane;
         if (lane >= Cfg::kBlockN || pos >= kv_len || (p.k_new != nullptr && pos >= prefix_len)) return kNoSlot;
-        const int64_t page = page_row[pos / Cfg::kPageSize];
-        return reinterpret_cast<int64_t>(kv_bytes + (page * Cfg::kPageSize + pos % Cfg::kPageSize) * p.kv_stride_slot);
+        const int64_t slot = entry_slot<Cfg::kPageSize>(p, table_entry<Cfg::kPageSize>(p, page_row, pos), pos);
+        return reinterpret_cast<int64_t>(kv_bytes + slot * p.kv_stride_slot);
       };
       int64_t slot = slot_of(tile_begin);
       for (int i = 0; i < num_tiles; ++i) {
@@ -658,7 +659,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           const int qi = r / Cfg::kHeads;
           int64_t mask_row = 0;
           if constexpr (Cfg::kMask == MaskKind::kTree) {
-            if (r < rows) mask_row = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+            if (r < rows) mask_row = request_tree_row(p, b, qi);
           }
 #pragma unroll
           for (int nt = 0; nt < Cfg::kNTilesS; ++nt)

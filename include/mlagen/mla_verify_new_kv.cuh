@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "mlagen/mla_verify_batch.cuh"
 #include "mlagen/mla_verify_fp8.cuh"
 #include "mlagen/mla_verify_params.cuh"
 
@@ -24,13 +25,12 @@ __device__ __forceinline__ const __nv_bfloat16* kv_row_src(const MlaVerifyParams
 }
 
 // Slot of position `pos` of request b: from k_new for the draft positions when k_new is set, else from
-// the page table (page_size kPageSize).
+// the block table (mla_verify_batch.cuh).
 template <int kPageSize>
 __device__ __forceinline__ int64_t token_slot(const MlaVerifyParams& p, const int32_t* page_row, int b, int pos,
                                               int prefix_len) {
   if (p.k_new != nullptr && pos >= prefix_len) return new_row_slot(static_cast<int64_t>(b) * p.q_len + (pos - prefix_len));
-  const int64_t page = page_row[pos / kPageSize];
-  return page * kPageSize + pos % kPageSize;
+  return entry_slot<kPageSize>(p, table_entry<kPageSize>(p, page_row, pos), pos);
 }
 
 // Global address of position `pos`'s row as an int64 (never kNoSlot): what the loaders keep per token, so

@@ -20,9 +20,19 @@ struct MlaVerifyParams {
   int64_t block_table_stride;
   const void* req_idx;  // int32 or int64 [bs], may be null
   int req_idx_is_int64;
-  const int32_t* kv_lens;  // [bs], includes the q_len draft tokens
-  const int64_t* tree_mask;  // [bs, q_len] bitmask rows (tree mask only)
+  const int32_t* kv_lens;  // [bs], includes the q_len draft tokens (unused when seq_lens is set)
+  const int64_t* tree_mask;  // [bs, q_len] bitmask rows (tree mask only); stride 0: one row set for all
   int64_t tree_mask_stride;
+  // SGLang's batch state read directly (eager steps; mla_verify_batch.cuh), all null / 0 otherwise:
+  // seq_lens int32 / int64 [>= bs] (kv_len = seq_lens[b] + kv_len_extra for b < num_real, 0 after), and
+  // block_table is then req_to_token [block_table_rows, block_table_cols] of token slots; tree_qlen_mask
+  // (bool / uint8, QLEN_ONLY layout) replaces tree_mask when set.
+  const void* seq_lens;
+  int seq_lens_is_int64;
+  int kv_len_extra;
+  int num_real;
+  int64_t block_table_rows, block_table_cols;
+  const uint8_t* tree_qlen_mask;
   // workspace (fp32): o_part [bs, num_splits, rows_max, 512], lse_part [bs, num_splits, rows_max]
   float* o_part;
   float* lse_part;

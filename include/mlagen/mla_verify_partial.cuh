@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "mlagen/mla_verify_batch.cuh"
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_new_kv.cuh"
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
   if (row0 >= rows) return;
   const int live_rows = rows - row0 < Cfg::kRowsPerCta ? rows - row0 : Cfg::kRowsPerCta;
 
-  const int kv_len = p.kv_lens[b];
+  const int kv_len = request_kv_len(p, b);
   const int prefix_len = kv_len - q_len;
   int tile_begin, tile_end;
   split_tile_range(kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, tile_begin, tile_end);
@@ -115,12 +116,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     return;
   }
 
-  int64_t table_row = b;
-  if (p.req_idx != nullptr) {
-    table_row = p.req_idx_is_int64 ? static_cast<const int64_t*>(p.req_idx)[b]
-                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.req_idx)[b]);
-  }
-  const int32_t* page_row = p.block_table + table_row * p.block_table_stride;
+  const int32_t* page_row = request_page_row(p, b);
 
   // ---- page-table gather: thread n < kBlockN owns token n of a tile. Its global load is issued
   // one iteration before the slot is needed, so the dependent load stays off the critical path.
@@ -246,7 +242,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const
     const int r = ps * Cfg::kRowsPerPass + tid / Cfg::kSoftmaxLanes;
     mask_rows[ps] = 0;
     if constexpr (Cfg::kMask == MaskKind::kTree) {
-      if (r < live_rows) mask_rows[ps] = p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + (row0 + r) / Cfg::kHeads];
+      if (r < live_rows) mask_rows[ps] = request_tree_row(p, b, (row0 + r) / Cfg::kHeads);
     }
   }
   const int dim_v0 = warp * Cfg::kDimVPerWarp;

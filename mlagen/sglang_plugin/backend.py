@@ -21,7 +21,10 @@ before every replay) refills kv_lens / block table / tree bitmasks in place, zer
 ``num_padding`` padded rows' kv_len so they output 0. The captured kernels only read these
 private buffers, never req_to_token or the scheduler's seq_lens.
 
-Host time per step: on CUDA, a kernel whose module has ``fill_metadata`` fills kv_lens / block table /
+Host time per step: eager steps launch nothing before the kernel when its module has ``run_direct``:
+the kernel reads SGLang's seq_lens, req_pool_indices, req_to_token and QLEN_ONLY custom mask itself
+(include/mlagen/mla_verify_batch.cuh; a FULL_MASK custom mask or other layouts take the buffers below).
+Otherwise, and for CUDA graphs, a kernel whose module has ``fill_metadata`` fills kv_lens / block table /
 tree bitmasks in one launch (include/mlagen/mla_verify_metadata.cuh) instead of ~20 small torch ops
 (the helpers in ``metadata.py``, still the CPU path); eager steps reuse persistent buffers (grown
 when a larger batch / page count arrives; same-stream ordering makes reuse safe), and
@@ -59,8 +62,8 @@ class MlagenMetadata:
     kind: str  # "verify" | "decode"
     kernel: Any  # mlagen.ops.VerifyKernel
     q_len: int
-    kv_lens: torch.Tensor  # int32 [bs]
-    block_table: torch.Tensor  # int32 [bs, >= pages]
+    kv_lens: Optional[torch.Tensor]  # int32 [bs]; None in a direct eager step (batch.direct)
+    block_table: Optional[torch.Tensor]  # int32 [bs, >= pages]; None in a direct eager step
     tree_mask: Optional[torch.Tensor]  # int64 [bs, q_len] or None
     workspace: torch.Tensor  # fp32 1-D
     batch: Any = None  # mlagen.ops.VerifyBatch: the above, validated once for every layer's launch
@@ -121,6 +124,8 @@ class MlagenAttnBackend(_Base):
         self._fallback_graph_ready = False
         self._verify_mask = None
         self.forward_metadata: Optional[MlagenMetadata] = None
+        # eager steps let the kernel read SGLang's batch state itself (no metadata launch), when it can
+        self.direct_eager = True
 
     # ---------------------------------------------------------------- helpers
     def __getattr__(self, name):
@@ -166,15 +171,28 @@ class MlagenAttnBackend(_Base):
         return ws
 
     def _info(self, kernel) -> tuple:
-        """(tree variant?, fused ``fill_metadata`` available?, (heads, dim_qk, dim_v), the kernel) of a
-        kernel, read once. Stand-in kernels (CPU tests) have no ``has_fill_metadata``: torch helpers."""
+        """(tree variant?, fused ``fill_metadata`` available?, (heads, dim_qk, dim_v), the kernel, ``run_direct``
+        available?) of a kernel, read once. Stand-in kernels (CPU tests) have neither: torch helpers."""
         info = self._kernel_info.get(id(kernel))
         if info is None or info[3] is not kernel:
             v = kernel.variant
             info = (v.mask == "tree", bool(getattr(kernel, "has_fill_metadata", False)),
-                    (getattr(v, "heads", None), getattr(v, "dim_qk", None), getattr(v, "dim_v", None)), kernel)
+                    (getattr(v, "heads", None), getattr(v, "dim_qk", None), getattr(v, "dim_v", None)), kernel,
+                    bool(getattr(kernel, "has_direct", False)) and self.direct_eager)
             self._kernel_info[id(kernel)] = info
         return info
+
+    def _direct_plan(self, kind: str, kernel, bs: int, q_len: int, ws):
+        """``kernel.direct_plan`` of req_to_token and the eager workspace for bs rows, rebuilt only when the
+        kernel, bs, q_len, the workspace or the kernel's shared-memory cap (its split count) changes."""
+        cap = getattr(kernel, "smem_per_sm_cap", None)
+        slot = (kind, "direct")
+        p = self._plans.get(slot)
+        if p is not None and p[0] is kernel and p[1] == bs and p[2] == q_len and p[3] is ws and p[4] == cap:
+            return p[5]
+        plan = kernel.direct_plan(self.req_to_token, q_len=q_len, batch_size=bs, workspace=ws)
+        self._plans[slot] = (kernel, bs, q_len, ws, cap, plan)
+        return plan
 
     def _eager_buffers(self, bs: int, npages: int, q_len: int) -> dict:
         """Persistent eager buffers with >= bs rows, >= npages block-table columns and >= q_len tree
@@ -291,9 +309,15 @@ class MlagenAttnBackend(_Base):
             return md.pack_qlen_mask(custom, real, q_len)
         return md.pack_full_mask(custom, seq_lens, q_len)
 
-    def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False) -> MlagenMetadata:
+    def _prepare(self, forward_batch, kind: str, graph: bool, in_capture: bool = False,
+                 direct: bool = True) -> MlagenMetadata:
+        """The step's metadata. CUDA graphs: the graph buffers, refilled (the fused fill launch or the torch
+        helpers). Eager: with a kernel that has ``run_direct`` and SGLang's tensors in the layouts it reads
+        (int32 / int64 contiguous seq_lens and req_pool_indices on the GPU; no custom mask, or a QLEN_ONLY one),
+        nothing is launched: the kernel reads them itself (:meth:`mlagen.ops.VerifyKernel.direct_batch`); else
+        the persistent eager buffers, filled as for graphs. ``direct=False`` forces the buffers."""
         kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
-        is_tree, fused, dims, _ = self._info(kernel)
+        is_tree, fused, dims, _, has_direct = self._info(kernel)
         spec_info = getattr(forward_batch, "spec_info", None)
         q_len = self._q_len(kind, spec_info)
         rpi = forward_batch.req_pool_indices
@@ -304,6 +328,26 @@ class MlagenAttnBackend(_Base):
         real = bs - self._num_padding(forward_batch, bs)
         npad = bs - real
         extra = q_len if kind == "verify" else 0
+        dev = self.req_to_token.device  # with its index (self.device may be "cuda" without one)
+        if (direct and has_direct and not graph and rpi.device == dev and seq_lens.device == dev
+                and rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES and rpi.is_contiguous()
+                and seq_lens.is_contiguous()):
+            custom = getattr(spec_info, "custom_mask", None) if (is_tree and kind == "verify") else None
+            qlen_mask = tree_rows = None
+            if is_tree and custom is None:
+                tree_rows = self._causal_bits(q_len)  # decode / no custom mask: the drafts run causally
+            elif is_tree and (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()
+                              and custom.dim() == 1 and custom.device == dev
+                              and self._is_qlen_only(custom, real, q_len)):
+                qlen_mask = custom
+            if not is_tree or qlen_mask is not None or tree_rows is not None:  # else FULL_MASK: the buffers
+                ws = self._eager_workspace(kernel, bs)
+                plan = self._direct_plan(kind, kernel, bs, q_len, ws)
+                batch = kernel.direct_batch(plan, seq_lens, rpi, extra=extra, num_padding=npad, qlen_mask=qlen_mask,
+                                            tree_rows=tree_rows, checked=False)
+                return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=None, block_table=None,
+                                      tree_mask=None, workspace=ws, batch=batch, dims=dims,
+                                      new_kv=bool(getattr(kernel, "has_new_kv", False)))
         npages = self._num_pages(forward_batch, bs, extra, graph, in_capture)
         if graph:
             g = self._graph
@@ -533,6 +577,8 @@ class MlagenAttnBackend(_Base):
             else:
                 kernel.launch(batch, q_b, kv, out_b, scale)
         else:  # the checked call: a clear ValueError for what does not fit
+            if meta.kv_lens is None:  # a direct eager step: fill the eager buffers the checked call reads
+                meta = self.forward_metadata = self._prepare(forward_batch, meta.kind, graph=False, direct=False)
             kernel(qv, kv, meta.block_table, meta.kv_lens, q_len=meta.q_len, softmax_scale=scale,
                    tree_mask=meta.tree_mask, out=out.view(rows, H, DV), workspace=meta.workspace)
         if v_descale != 1.0:

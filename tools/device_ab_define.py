@@ -1,0 +1,104 @@
+"""A/B timing of one variant built with a diagnostic define at several values (GPU), in one process:
+each value is its own module (``#define NAME value`` ahead of the rendered source), every shape is timed
+for every build in alternating rounds (the median of the rounds is printed), so clock and machine drift
+fall on all builds alike; first, each build's output is compared bit for bit with the first's on one problem
+per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE (include/mlagen/mla_verify_dimsplit_t.cuh),
+MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
+
+    python3 tools/device_ab_define.py URI --define MLAGEN_DST_PROLOGUE=0,1 [--contexts 4096,65536] [--batches 1,4]
+
+Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
+table: shape, µs per build (median of --rounds CUDA-graph medians), and each build's ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlagen.bench import Shape, bench_kernel, make_problem  # noqa: E402
+from mlagen.codegen import render_variant  # noqa: E402
+from mlagen.ninja_gen import ext_suffix, nvcc_flags, nvcc_path  # noqa: E402
+from mlagen.ops import VerifyKernel  # noqa: E402
+from mlagen.spec import Variant  # noqa: E402
+
+
+def build(v: Variant, name: str, value: str, out_dir: Path) -> tuple[str, Path]:
+    """(module name, .so path) of ``v`` compiled with ``#define name value``."""
+    mod = f"{v.build_key}_{name.lower()}_{value}"
+    src, so = out_dir / f"{mod}.cu", out_dir / f"{mod}{ext_suffix()}"
+    src.write_text(f"#define {name} {value}\n" + render_variant(v, mod))
+    r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed for {name}={value}:\n{r.stderr[-3000:]}")
+    return mod, so
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("uri")
+    ap.add_argument("--define", required=True, help="NAME=v1,v2[,...]: the builds to compare (the first is the base)")
+    ap.add_argument("--contexts", default="4096,16384,65536,131072")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; nothing measured")
+        return 1
+    name, _, values = a.define.partition("=")
+    values = [x for x in values.split(",") if x]
+    if not name or len(values) < 2:
+        sys.exit("--define takes NAME=v1,v2[,...]")
+    major, minor = torch.cuda.get_device_capability()
+    v = dataclasses.replace(Variant.from_uri(a.uri), archs=(f"sm_{major}{minor}",))
+    out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(values), os.cpu_count() or 1)) as pool:
+        built = list(pool.map(lambda x: build(v, name, x, out_dir), values))
+    kernels = [VerifyKernel(v, so, mod) for mod, so in built]
+    shapes = [Shape(v.heads, v.q_len, b, c, v.page_size) for b in map(int, a.batches.split(","))
+              for c in map(int, a.contexts.split(","))]
+    # the builds must compute the same thing: outputs compared bit for bit on one problem per shape
+    for shape in shapes:
+        pr = make_problem(v, [shape.context] * shape.batch_size, q_len=shape.q_len, device="cuda", seed=11,
+                          poison_pool=False, name="ab")
+        outs = []
+        for k in kernels:
+            out = torch.full((pr.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+            k(pr.q, pr.kv_cache, pr.block_table, pr.kv_lens, out=out, **pr.kernel_args())
+            outs.append(out)
+        torch.cuda.synchronize()
+        same = all(torch.equal(outs[0], o) for o in outs[1:]) and not outs[0].isnan().any().item()
+        print(f"bs {shape.batch_size} ctx {shape.context}: outputs of every build {'equal' if same else 'DIFFER'}")
+        if not same:
+            return 1
+    times = {(i, s): [] for i in range(len(kernels)) for s in range(len(shapes))}
+    for rnd in range(a.rounds):
+        for s, shape in enumerate(shapes):
+            order = range(len(kernels)) if rnd % 2 == 0 else reversed(range(len(kernels)))
+            for i in order:
+                times[(i, s)].append(bench_kernel(kernels[i], shape, seed=rnd)["median_us"])
+    print(f"\n{a.uri} on {torch.cuda.get_device_name()}: {name} = {', '.join(values)} (median of {a.rounds} rounds)")
+    print("| bs | ctx | " + " | ".join(f"{name}={x} µs" for x in values) + " | " +
+          " | ".join(f"{x} / {values[0]}" for x in values[1:]) + " |")
+    print("|---|---|" + "---|" * (2 * len(values) - 1))
+    for s, shape in enumerate(shapes):
+        med = [statistics.median(times[(i, s)]) for i in range(len(kernels))]
+        print(f"| {shape.batch_size} | {shape.context} | " + " | ".join(f"{t:.1f}" for t in med) + " | " +
+              " | ".join(f"{t / med[0]:.3f}" for t in med[1:]) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
