@@ -41,9 +41,8 @@
 #include "mlagen/ptx.cuh"
 
 // Diagnostic builds only (tools/device_ab_define.py), for A/B timing of the prologue: MLAGEN_DST_PROLOGUE 0 (every
-// shipped build): Q loaded before the barrier setup, which the producer warp's lane 0 does, and the rows past
-// kv_len zero-filled by the producer; 1: v14's (thread 0 sets up the barriers, the whole ring is zeroed, Q is
-// loaded after the cluster barrier); 2: v14's with the zero-filled tail instead of the zeroed ring.
+// shipped build): the producer zero-fills the rows past kv_len of the last tile; 1: v14's, the whole ring zeroed
+// before the first copy (perf-notes v15).
 #ifndef MLAGEN_DST_PROLOGUE
 #define MLAGEN_DST_PROLOGUE 0
 #endif
@@ -76,7 +75,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kL2PrefetchTiles = kStages;
   // The producer zero-fills the rows past kv_len of a request's last tile (src-size 0 copies) instead of the
   // prologue zeroing the whole ring (75 KB at 4 stages) before the first copy.
-  static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE != 1;
+  static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -203,26 +202,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int b = blockIdx.z;
   const int q_len = p.q_len;
   const int32_t* page_row = request_page_row(p, b);  // its index load ahead of kv_len's (no dependence)
-  // Score warp sw's Q (rows [24 sw, 24 sw + 24) of the block) as B fragments (k16 x n8, "col"): b0 = Q[row
-  // g][dims 2 t4, +1], b1 = Q[row g][dims 2 t4 + 8, +9]. Issued up front (by the score warps only, so the
-  // producer's length and page-table loads do not queue behind them): their latency overlaps the barrier
-  // setup, the cluster barrier and the first stage's copies.
-  uint32_t q_frag[Cfg::kKSteps][Cfg::kNTilesS][2];
-  auto load_q = [&]() {
-#pragma unroll
-    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-      const int r = row_block * Cfg::kRowsPerCta + warp * Cfg::kRowsPerScoreWarp + nt * 8 + g;
-      const bool row_ok = r < q_len * Cfg::kHeads;
-      const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-        const int dim = cta_dim_of_kstep<Cfg>(rank, ks);
-        q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
-        q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
-      }
-    }
-  };
-  if (MLAGEN_DST_PROLOGUE == 0 && warp < Cfg::kScoreWarps) load_q();
   ClusterSplit w;
   if (!cluster_split_begin<Cfg>(p, b, row_block, split, rank, tid, w)) return;  // the same for both CTAs
   const int rows = w.rows, row0 = w.row0, live_rows = w.live_rows, kv_len = w.kv_len, prefix_len = w.prefix_len;
@@ -232,8 +211,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int num_tiles = w.tile_end - w.tile_begin;
   const int num_sub = num_tiles * Cfg::kSubTiles;
 
-  // The barriers are set up by a thread that issues no Q loads (the producer warp's lane 0; v14: thread 0).
-  if (tid == (MLAGEN_DST_PROLOGUE == 0 ? Cfg::kProducerWarp * 32 : 0)) {
+  if (tid == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
       ptx::mbarrier_init(full_bar + st, 32);  // the producer's lanes (cp.async.mbarrier.arrive.noinc)
       ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
@@ -268,7 +246,21 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
     const int sw = warp;
     const int rloc0 = sw * Cfg::kRowsPerScoreWarp;
-    if (MLAGEN_DST_PROLOGUE != 0) load_q();  // (else loaded before the barrier setup, above)
+    // Q as B fragments (k16 x n8, "col"): b0 = Q[row g][dims 2 t4, +1], b1 = Q[row g][dims 2 t4 + 8, +9]. (Loaded
+    // before the barrier setup instead, they measured 1-7 % slower at 4k-16k: perf-notes v15.)
+    uint32_t q_frag[Cfg::kKSteps][Cfg::kNTilesS][2];
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+      const int r = row0 + rloc0 + nt * 8 + g;
+      const bool row_ok = r < rows;
+      const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        const int dim = cta_dim_of_kstep<Cfg>(rank, ks);
+        q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
+        q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
+      }
+    }
     // Per row (n8 tile nt, column parity e = row 2 t4 + e): running max (log2 units), this thread's share of
     // the running sum (its tokens g and g + 8 of every sub-tile).
     float m_run[Cfg::kNTilesS][2], l_run[Cfg::kNTilesS][2];
