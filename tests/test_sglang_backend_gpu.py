@@ -573,6 +573,11 @@ def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_
             fb = b.forward_batch(b.qlen_mask if be is ours and bs % 2 else None)
             be.init_forward_metadata(fb)
             if be is ours:
+                # the kernel reads SGLang's tensors itself (run_direct) unless the mask is FULL_MASK (a tree
+                # variant's even batches here), which takes the metadata launch
+                want_direct = mask != "tree" or bs % 2 == 1
+                got_direct = bool(getattr(ours.forward_metadata.batch, "direct", False))
+                assert got_direct == want_direct, f"eager bs {bs}: direct batch {got_direct}, expected {want_direct}"
                 _poison_rows(runner, layer, b.out_cache_loc)
             outs.append(_forward(be, layer, fb, b.q, b.k, role).float())
             if be is ours:
