@@ -416,7 +416,8 @@ class VerifyKernel:
                 mask (request b's [q_len, q_len] block at b * q_len^2; cell [i, j] != 0: draft i sees draft
                 j), >= (bs - num_padding) * q_len^2 cells; or
             tree_rows: tree variants: int64 [q_len] contiguous bitmask rows shared by every request (bit j
-                of row i: draft i sees draft j; e.g. causal bits for chain drafts).
+                of row i: draft i sees draft j; e.g. causal bits for chain drafts). With every row padded
+                nothing reads either, and both may be empty / None.
             checked: False skips the dtype / layout / device checks above (a caller that made them, as the
                 SGLang backend does once per step); the mask size check always runs.
         Returns:
@@ -436,7 +437,7 @@ class VerifyKernel:
                 raise ValueError(f"extra must be an int >= 0, got {extra!r}")
             if isinstance(num_padding, bool) or not isinstance(num_padding, int) or not 0 <= num_padding <= bs:
                 raise ValueError(f"num_padding must be an int in [0, {bs}], got {num_padding!r}")
-            if tree and (qlen_mask is None) == (tree_rows is None):
+            if tree and num_padding < bs and (qlen_mask is None) == (tree_rows is None):
                 raise ValueError(f"{self.variant.uri} uses a tree mask: pass exactly one of qlen_mask / tree_rows")
             if qlen_mask is not None and (not isinstance(qlen_mask, torch.Tensor) or qlen_mask.dim() != 1
                                           or qlen_mask.dtype not in (torch.bool, torch.uint8)
@@ -448,6 +449,12 @@ class VerifyKernel:
                 if not tree_rows.is_contiguous():
                     raise ValueError("tree_rows must be contiguous")
             _check_devices(plan.req_to_token.device, [seq_lens, req_pool_indices, qlen_mask, tree_rows])
+            ws = plan.workspace
+            ws_lo, ws_hi = ws.data_ptr(), ws.data_ptr() + ws.numel() * 4
+            for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices), ("qlen_mask", qlen_mask),
+                            ("tree_rows", tree_rows)):
+                if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
+                    raise ValueError(f"the plan's workspace overlaps {name}")
         mask_ptr = tree_ptr = 0
         if tree and qlen_mask is not None:
             need = (bs - num_padding) * q_len * q_len
@@ -455,7 +462,7 @@ class VerifyKernel:
                 raise ValueError(f"QLEN_ONLY verify mask has {qlen_mask.numel()} elements, {need} needed "
                                  f"for {bs - num_padding} requests of {q_len} draft tokens")
             mask_ptr = qlen_mask.data_ptr()
-        elif tree:
+        elif tree and tree_rows is not None:
             tree_ptr = tree_rows.data_ptr()
         head = (*plan.table, req_pool_indices.data_ptr(), int(req_pool_indices.dtype == torch.int64),
                 seq_lens.data_ptr(), int(seq_lens.dtype == torch.int64), extra, bs - num_padding, mask_ptr, tree_ptr,

@@ -280,6 +280,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
                                                       int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
                                                       uint64_t* empty_bar) {
+  static_assert(!Cfg::kZeroFillTail || !Cfg::kBulkLoad, "the zero-filled tail is a cp.async-producer feature");
   // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
   const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
   auto pos_of = [&](int tile) { return tile * Cfg::kBlockN + tok_p + lane; };

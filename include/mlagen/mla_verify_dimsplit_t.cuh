@@ -225,7 +225,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     }
     ptx::fence_barrier_init();
   }
-  if constexpr (!Cfg::kZeroFillTail) zero_kv_ring<Cfg>(kv_smem, tid);
+  // (ablation builds without KV loads read the ring as it is: zero it for them too)
+  if constexpr (!Cfg::kZeroFillTail || (kAblate & kAblateLoads)) zero_kv_ring<Cfg>(kv_smem, tid);
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
 
   auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };

@@ -82,11 +82,14 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   // Defence in depth (the Python wrapper checks these first): grid and workspace layout assume them.
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
-  if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr && p.tree_qlen_mask == nullptr) return cudaErrorInvalidValue;
+  if (p.batch_size == 0) return cudaSuccess;
+  // tree rows from somewhere, unless every row of a direct batch is padding (then no row reads them)
+  if (Cfg::kMask == MaskKind::kTree && p.tree_mask == nullptr && p.tree_qlen_mask == nullptr &&
+      !(p.seq_lens != nullptr && p.num_real == 0))
+    return cudaErrorInvalidValue;
   if (p.seq_lens != nullptr && (p.num_real < 0 || p.num_real > p.batch_size || p.block_table_rows < 1 ||
                                 p.block_table_cols < 0 || p.req_idx == nullptr))
     return cudaErrorInvalidValue;
-  if (p.batch_size == 0) return cudaSuccess;
   // dimsplit, dimsplit_t: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
   const dim3 grid_partial(Cfg::kRowBlocks * Cfg::kClusterCtas, p.num_splits, p.batch_size);
   partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);

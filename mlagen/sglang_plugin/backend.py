@@ -24,6 +24,8 @@ private buffers, never req_to_token or the scheduler's seq_lens.
 Host time per step: eager steps launch nothing before the kernel when its module has ``run_direct``:
 the kernel reads SGLang's seq_lens, req_pool_indices, req_to_token and QLEN_ONLY custom mask itself
 (include/mlagen/mla_verify_batch.cuh; a FULL_MASK custom mask or other layouts take the buffers below).
+Every layer's launch reads them then (the metadata launch read them once, before the first layer), so they
+must not change during the step's forward pass; SGLang updates them only after it, in stream order.
 Otherwise, and for CUDA graphs, a kernel whose module has ``fill_metadata`` fills kv_lens / block table /
 tree bitmasks in one launch (include/mlagen/mla_verify_metadata.cuh) instead of ~20 small torch ops
 (the helpers in ``metadata.py``, still the CPU path); eager steps reuse persistent buffers (grown
@@ -113,7 +115,7 @@ class MlagenAttnBackend(_Base):
         self._eager_ws = {}  # id(kernel) -> (kernel, workspace, largest bs it was checked for, smem cap then)
         self._eager = None  # persistent eager buffers: kv_lens [rows], block_table [rows, cols], tree [rows, q]
         self._plans = {}  # (kind, graph) -> the validated buffers, their MlagenMetadata and metadata filler
-        self._kernel_info = {}  # id(kernel) -> (tree variant?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel)
+        self._kernel_info = {}  # id(kernel) -> (tree?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel, run_direct?)
         self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
         self._pool_write_ok = None  # whether the kernel may store the draft rows itself (see _kernel_writes_kv)
@@ -152,8 +154,10 @@ class MlagenAttnBackend(_Base):
         return int(n) if n and n > 0 else self.verify_q_len
 
     def _causal_bits(self, q_len: int) -> torch.Tensor:
+        """Causal tree rows int64 [q_len] (row i: bits 0..i) on req_to_token's device (with its index: a direct
+        batch hands them to the kernel as they are)."""
         if q_len not in self._causal:
-            self._causal[q_len] = md.causal_bits(q_len, self.device)
+            self._causal[q_len] = md.causal_bits(q_len, self.req_to_token.device)
         return self._causal[q_len]
 
     def _eager_workspace(self, kernel, bs: int) -> torch.Tensor:
@@ -172,13 +176,13 @@ class MlagenAttnBackend(_Base):
 
     def _info(self, kernel) -> tuple:
         """(tree variant?, fused ``fill_metadata`` available?, (heads, dim_qk, dim_v), the kernel, ``run_direct``
-        available?) of a kernel, read once. Stand-in kernels (CPU tests) have neither: torch helpers."""
+        available?) of a kernel, read once. Stand-in kernels (CPU tests) have neither unless they say so."""
         info = self._kernel_info.get(id(kernel))
         if info is None or info[3] is not kernel:
             v = kernel.variant
             info = (v.mask == "tree", bool(getattr(kernel, "has_fill_metadata", False)),
                     (getattr(v, "heads", None), getattr(v, "dim_qk", None), getattr(v, "dim_v", None)), kernel,
-                    bool(getattr(kernel, "has_direct", False)) and self.direct_eager)
+                    bool(getattr(kernel, "has_direct", False)))
             self._kernel_info[id(kernel)] = info
         return info
 
@@ -329,13 +333,14 @@ class MlagenAttnBackend(_Base):
         npad = bs - real
         extra = q_len if kind == "verify" else 0
         dev = self.req_to_token.device  # with its index (self.device may be "cuda" without one)
-        if (direct and has_direct and not graph and rpi.device == dev and seq_lens.device == dev
+        if (direct and has_direct and self.direct_eager and not graph and rpi.device == dev and seq_lens.device == dev
                 and rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES and rpi.is_contiguous()
                 and seq_lens.is_contiguous()):
             custom = getattr(spec_info, "custom_mask", None) if (is_tree and kind == "verify") else None
             qlen_mask = tree_rows = None
-            if is_tree and custom is None:
-                tree_rows = self._causal_bits(q_len)  # decode / no custom mask: the drafts run causally
+            if is_tree and (custom is None or real == 0):
+                # decode / no custom mask: the drafts run causally (every row padded: no row reads them)
+                tree_rows = self._causal_bits(q_len)
             elif is_tree and (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()
                               and custom.dim() == 1 and custom.device == dev
                               and self._is_qlen_only(custom, real, q_len)):
@@ -420,7 +425,7 @@ class MlagenAttnBackend(_Base):
         if self.decode_kernel is not None:
             g["ws_decode"] = self.decode_kernel.alloc_workspace(max_bs, dev)
         self._graph = g
-        for slot in [s for s in self._plans if s[1]]:  # plans of the old graph buffers: do not keep them alive
+        for slot in [s for s in self._plans if s[1] is True]:  # the old graph buffers' plans: do not keep them alive
             del self._plans[slot]
         self._graph_dims = (max_bs, max_num_tokens, kwargs)
         self._fallback_graph_ready = False
