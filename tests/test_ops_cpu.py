@@ -466,3 +466,86 @@ def test_fp8_variant_takes_e4m3_caches_and_bf16_variants_refuse_them():
     for cache in (raw, raw.view(torch.float8_e4m3fn)):
         with pytest.raises(ValueError, match="kv_cache must be torch.bfloat16"):
             bf16.check_kv_cache(cache)
+
+
+class _DirectModule(_AbiModule):
+    """A module with run_direct: records its arguments."""
+
+    def run_direct(self, *args):
+        self.calls += 1
+        self.direct_args = args
+
+
+def _template_params(fn: str) -> list[str]:
+    """Parameter names of ``fn`` in templates/mla_verify_module.cu.j2, in order."""
+    import re
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parent.parent / "templates" / "mla_verify_module.cu.j2").read_text()
+    sig = re.search(rf"\nvoid {fn}\((.*?)\)\s*{{", src, re.S).group(1)
+    return [p.split()[-1] for p in sig.replace("\n", " ").split(",")]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_direct_batch_arguments_reach_run_direct_by_name(monkeypatch, idx_dtype):
+    """direct_plan / direct_batch / launch hand run_direct each value under the template's parameter name
+    (req_to_token and its shape, req_pool_indices / seq_lens with their dtype flags, extra, the real-row count,
+    the QLEN_ONLY mask or the shared tree rows with stride 0, the workspace halves, the draft rows, bs, q_len,
+    splits); bad inputs raise before anything is launched."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _DirectModule()
+    assert k.has_direct and not _kernel().has_direct
+    bs, q_len, npad = 4, 9, 1
+    r2t = torch.zeros(6, 48, dtype=torch.int32)[:, :40]  # row stride 48, 40 token columns
+    ws = torch.empty(k.workspace_numel(bs), dtype=torch.float32)
+    plan = k.direct_plan(r2t, q_len=q_len, batch_size=bs, workspace=ws)
+    seq = torch.tensor([5, 17, 30, 1], dtype=idx_dtype)
+    rpi = torch.tensor([2, 0, 5, 0], dtype=idx_dtype)
+    mask = torch.ones((bs - npad) * q_len * q_len, dtype=torch.bool)
+    batch = k.direct_batch(plan, seq, rpi, extra=q_len, num_padding=npad, qlen_mask=mask)
+    q = torch.randn(bs * q_len, 8, 576).to(torch.bfloat16)
+    out = torch.empty(bs * q_len, 8, 512, dtype=torch.bfloat16)
+    kv = k.check_kv_cache(torch.randn(100, 576).to(torch.bfloat16))
+    k_new = torch.randn(bs * q_len, 576).to(torch.bfloat16)
+    loc = torch.zeros(bs * q_len, dtype=torch.int64)
+    k.launch(batch, q, kv, out, 0.25, new_kv=k.new_kv_args(batch, k_new, loc, kv))
+    names = _template_params("run_direct")
+    got = dict(zip(names, k.module.direct_args))
+    assert len(k.module.direct_args) == len(names)
+    is64 = int(idx_dtype == torch.int64)
+    o_part = ws.data_ptr()
+    want = dict(q=q.data_ptr(), q_stride_tok=8 * 576, q_stride_head=576, kv=kv.data_ptr(), kv_stride_slot=576,
+                req_to_token=r2t.data_ptr(), table_stride=48, table_rows=6, table_cols=40,
+                req_pool_indices=rpi.data_ptr(), rpi_is_int64=is64, seq_lens=seq.data_ptr(), seq_lens_is_int64=is64,
+                kv_len_extra=q_len, num_real=bs - npad, qlen_mask=mask.data_ptr(), tree_mask=0, tree_mask_stride=0,
+                o_part=o_part, lse_part=o_part + bs * plan.splits * k.variant.rows_max * 512 * 4,
+                out=out.data_ptr(), out_stride_tok=8 * 512, out_stride_head=512, lse=0, lse_stride_tok=0,
+                k_new=k_new.data_ptr(), k_new_stride_tok=576, kv_write_loc=loc.data_ptr(), kv_num_slots=100,
+                batch_size=bs, q_len=q_len, num_splits=plan.splits, min_tiles_per_split=k.min_tiles_per_split(),
+                softmax_scale=0.25, stream=7)
+    assert got == want
+    rows = torch.zeros(q_len, dtype=torch.int64)
+    k.launch(k.direct_batch(plan, seq, rpi, extra=q_len, num_padding=npad, tree_rows=rows), q, kv, out, 0.25)
+    got = dict(zip(names, k.module.direct_args))
+    assert (got["qlen_mask"], got["tree_mask"], got["tree_mask_stride"]) == (0, rows.data_ptr(), 0)
+    calls = k.module.calls
+    for kw, msg in ((dict(qlen_mask=mask[:-1]), "QLEN_ONLY verify mask has 242 elements, 243 needed"),
+                    (dict(), "pass exactly one of qlen_mask / tree_rows"),
+                    (dict(qlen_mask=mask, tree_rows=rows), "pass exactly one of qlen_mask / tree_rows"),
+                    (dict(qlen_mask=mask.float()), "qlen_mask must be a contiguous 1-D bool / uint8"),
+                    (dict(tree_rows=rows[:3]), "tree_rows must have shape"),
+                    (dict(qlen_mask=mask, num_padding=5), "num_padding must be an int in"),
+                    (dict(qlen_mask=mask, extra=-1), "extra must be an int >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            kw = dict(dict(extra=q_len, num_padding=npad), **kw)
+            k.direct_batch(plan, seq, rpi, **kw)
+    with pytest.raises(ValueError, match="seq_lens must be contiguous with >= 4 elements"):
+        k.direct_batch(plan, seq[:3], rpi, extra=q_len, num_padding=npad, qlen_mask=mask)
+    with pytest.raises(ValueError, match="overlaps seq_lens"):
+        k.direct_batch(plan, ws[:4].view(torch.int32), rpi, extra=q_len, num_padding=npad, qlen_mask=mask)
+    # every row padded: no mask needed
+    k.direct_batch(plan, seq, rpi, extra=q_len, num_padding=bs)
+    with pytest.raises(ValueError, match="req_to_token must be torch.int32"):
+        k.direct_plan(r2t.long(), q_len=q_len, batch_size=bs)
+    assert k.module.calls == calls
