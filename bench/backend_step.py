@@ -106,9 +106,8 @@ EAGER_BAR_US = 60.0  # eager step <= captured step + this, for one layer
 
 def _set_direct(be, on: bool) -> None:
     """Whether mlagen's eager steps let the kernel read SGLang's batch state (run_direct) or launch the
-    metadata fill first (the kernel info the backend caches is re-read)."""
+    metadata fill first."""
     be.direct_eager = on
-    be._kernel_info.clear()
 
 
 def _host_us(fn, reps: int) -> float:

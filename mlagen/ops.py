@@ -391,10 +391,9 @@ class VerifyKernel:
         _check_devices(dev, [req_to_token, workspace])
         splits = self.num_splits(batch_size, dev)
         workspace = self._checked_workspace(workspace, batch_size, splits, dev, dict(req_to_token=req_to_token))
-        o_part = workspace.data_ptr()
-        lse_part = o_part + batch_size * splits * v.rows_max * v.dim_v * 4
         table = (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1])
-        return DirectPlan(batch_size, q_len, splits, req_to_token, workspace, table, (o_part, lse_part),
+        return DirectPlan(batch_size, q_len, splits, req_to_token, workspace, table,
+                          self._workspace_parts(workspace, batch_size, splits),
                           (batch_size, q_len, splits, self.min_tiles_per_split()), dev.index)
 
     def direct_batch(self, plan: "DirectPlan", seq_lens, req_pool_indices, *, extra: int, num_padding: int = 0,
@@ -449,12 +448,8 @@ class VerifyKernel:
                 if not tree_rows.is_contiguous():
                     raise ValueError("tree_rows must be contiguous")
             _check_devices(plan.req_to_token.device, [seq_lens, req_pool_indices, qlen_mask, tree_rows])
-            ws = plan.workspace
-            ws_lo, ws_hi = ws.data_ptr(), ws.data_ptr() + ws.numel() * 4
-            for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices), ("qlen_mask", qlen_mask),
-                            ("tree_rows", tree_rows)):
-                if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
-                    raise ValueError(f"the plan's workspace overlaps {name}")
+            _check_no_overlap(plan.workspace, plan.workspace.numel(), dict(
+                seq_lens=seq_lens, req_pool_indices=req_pool_indices, qlen_mask=qlen_mask, tree_rows=tree_rows))
         mask_ptr = tree_ptr = 0
         if tree and qlen_mask is not None:
             need = (bs - num_padding) * q_len * q_len
@@ -654,24 +649,25 @@ class VerifyKernel:
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
                              f"(alloc_workspace({bs})), got {workspace.numel()}")
-        ws_lo, ws_hi = workspace.data_ptr(), workspace.data_ptr() + need * 4
-        for name, t in others.items():
-            if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
-                raise ValueError(f"workspace overlaps {name}")
+        _check_no_overlap(workspace, need, others)
         return workspace
 
     def _batch_run_args(self, block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs: int, q_len: int,
                         splits: int) -> tuple[tuple, tuple]:
         """module.run's per-batch arguments, in its order: (those between kv_cache and out, those between lse
         and the scale). The workspace holds o_part [bs, splits, rows_max, dim_v] then lse_part (fp32)."""
-        o_part = workspace.data_ptr()
-        lse_part = o_part + bs * splits * self.variant.rows_max * self.variant.dim_v * 4
+        o_part, lse_part = self._workspace_parts(workspace, bs, splits)
         head = (block_table.data_ptr(), block_table.stride(0),
                 req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
                 int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64), kv_lens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, tree_mask.stride(0) if tree_mask is not None else 0,
                 o_part, lse_part)
         return head, (bs, q_len, splits, self.min_tiles_per_split())
+
+    def _workspace_parts(self, workspace, bs: int, splits: int) -> tuple[int, int]:
+        """Addresses of the workspace's o_part [bs, splits, rows_max, dim_v] and the lse_part after it (fp32)."""
+        o_part = workspace.data_ptr()
+        return o_part, o_part + bs * splits * self.variant.rows_max * self.variant.dim_v * 4
 
     def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int,
                     new_kv: tuple = (), direct: bool = False) -> None:
@@ -780,6 +776,15 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) that a strided tensor can touch."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_no_overlap(workspace: torch.Tensor, numel: int, others: dict) -> None:
+    """ValueError when the first ``numel`` fp32 elements of ``workspace`` overlap a tensor of ``others`` (name ->
+    tensor or None)."""
+    ws_lo, ws_hi = workspace.data_ptr(), workspace.data_ptr() + numel * 4
+    for name, t in others.items():
+        if t is not None and t.numel() and _span(t)[0] < ws_hi and ws_lo < _span(t)[1]:
+            raise ValueError(f"workspace overlaps {name}")
 
 
 def _check_devices(device, tensors) -> None:

@@ -22,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def gpu_arch():
+    """mlagen's arch name for this machine's GPU ("sm_90" / "sm_120"); the test is skipped on other GPUs."""
+    import torch
+
+    major, _ = torch.cuda.get_device_capability()
+    arch = {9: "sm_90", 12: "sm_120"}.get(major)
+    if arch is None:
+        pytest.skip(f"no mlagen arch for compute capability {torch.cuda.get_device_capability()}")
+    return arch
+
+
 @pytest.fixture
 def cache_env(tmp_path, monkeypatch):
     """Fresh MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR under tmp_path."""

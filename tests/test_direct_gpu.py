@@ -28,16 +28,12 @@ SPECS = {  # the tiles the SGLang backend serves with: dimsplit_t at page size 1
 
 
 @pytest.fixture(scope="module", params=sorted(SPECS))
-def kernel(request):
-    major, _ = torch.cuda.get_device_capability()
-    arch = {9: "sm_90", 12: "sm_120"}.get(major)
-    if arch is None:
-        pytest.skip(f"no mlagen arch for compute capability {torch.cuda.get_device_capability()}")
+def kernel(request, gpu_arch):
     from mlagen.build import build_variants
     from mlagen.ops import load_so
 
     built = build_variants(dict(SPECS[request.param], kernel="mla_verify", name=f"direct-{request.param}",
-                                arch=[arch]))
+                                arch=[gpu_arch]))
     k = load_so(built[0].uri, str(built[0].so_path))
     assert k.has_direct and k.has_fill_metadata, f"{built[0].uri} lacks run_direct / fill_metadata"
     return k

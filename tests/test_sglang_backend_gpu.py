@@ -60,11 +60,6 @@ def _check(ref: torch.Tensor, out: torch.Tensor, what: str, atol: float = ATOL, 
 SCALE = 0.1352 * 1.1  # 1/sqrt(192) times a yarn-like mscale
 
 
-def _arch():
-    major, _ = torch.cuda.get_device_capability()
-    return {9: "sm_90", 12: "sm_120"}.get(major)
-
-
 class _Missing:
     """Any attribute of a missing compiled package: attribute chains resolve (SGLang reads constants
     such as ``scalar_types.uint4b8`` at import), every call raises, so a test that really needed the
@@ -177,11 +172,9 @@ def import_sglang(on_missing, master_port=29661):
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def kernels(gpu_arch):
     """Build (or reuse) the variants the cases need; {(role, H, page_size, mask): VerifyKernel}."""
-    arch = _arch()
-    if arch is None:
-        pytest.skip(f"no mlagen arch for compute capability {torch.cuda.get_device_capability()}")
+    arch = gpu_arch
     try:
         from mlagen.build import build_variants
         from mlagen.ops import load_so

@@ -1103,7 +1103,6 @@ def test_eager_step_reads_sglang_state_directly(kv_write_loc, mask_layout, real,
     gen = torch.Generator().manual_seed(900 + 10 * real + bs + len(mask_layout))
     s = _verify_setup(gen, real=real, bs=bs)
     s.be.verify_kernel = k = _DirectRefKernel(s.H, s.q_len, "tree", s.ps)
-    s.be._kernel_info.clear()
     if mask_layout == "qlen_only":
         s.fb.spec_info.custom_mask = _qlen_blocks(s.parents).to(torch.uint8)
     elif mask_layout == "none":

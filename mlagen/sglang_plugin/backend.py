@@ -332,27 +332,33 @@ class MlagenAttnBackend(_Base):
         real = bs - self._num_padding(forward_batch, bs)
         npad = bs - real
         extra = q_len if kind == "verify" else 0
+        # The step's tree rows: SGLang's custom mask (QLEN_ONLY or FULL_MASK layout), or causal rows for decode,
+        # a batch without a custom mask (SGLang then runs the drafts causally) and capture.
+        mode, custom = None, None
+        if is_tree:
+            custom = getattr(spec_info, "custom_mask", None) if kind == "verify" else None
+            if kind == "decode" or custom is None or in_capture:
+                mode, custom = "causal", None
+            else:
+                mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
+        # The layouts the kernels read (the fused fill's and run_direct's own checks, made once here).
+        layout_ok = (rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES and rpi.is_contiguous()
+                     and seq_lens.is_contiguous()
+                     and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous())))
         dev = self.req_to_token.device  # with its index (self.device may be "cuda" without one)
-        if (direct and has_direct and self.direct_eager and not graph and rpi.device == dev and seq_lens.device == dev
-                and rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES and rpi.is_contiguous()
-                and seq_lens.is_contiguous()):
-            custom = getattr(spec_info, "custom_mask", None) if (is_tree and kind == "verify") else None
-            qlen_mask = tree_rows = None
-            if is_tree and (custom is None or real == 0):
-                # decode / no custom mask: the drafts run causally (every row padded: no row reads them)
-                tree_rows = self._causal_bits(q_len)
-            elif is_tree and (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()
-                              and custom.dim() == 1 and custom.device == dev
-                              and self._is_qlen_only(custom, real, q_len)):
-                qlen_mask = custom
-            if not is_tree or qlen_mask is not None or tree_rows is not None:  # else FULL_MASK: the buffers
-                ws = self._eager_workspace(kernel, bs)
-                plan = self._direct_plan(kind, kernel, bs, q_len, ws)
-                batch = kernel.direct_batch(plan, seq_lens, rpi, extra=extra, num_padding=npad, qlen_mask=qlen_mask,
-                                            tree_rows=tree_rows, checked=False)
-                return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=None, block_table=None,
-                                      tree_mask=None, workspace=ws, batch=batch, dims=dims,
-                                      new_kv=bool(getattr(kernel, "has_new_kv", False)))
+        if (direct and has_direct and self.direct_eager and not graph and layout_ok and rpi.device == dev
+                and seq_lens.device == dev and (custom is None or custom.device == dev)
+                and (mode != "full_mask" or real == 0)):  # FULL_MASK: the buffers
+            qlen_mask = custom if mode == "qlen_only" and real > 0 else None
+            # causal rows, also when every row is padding (no row reads them then)
+            tree_rows = self._causal_bits(q_len) if is_tree and qlen_mask is None else None
+            ws = self._eager_workspace(kernel, bs)
+            plan = self._direct_plan(kind, kernel, bs, q_len, ws)
+            batch = kernel.direct_batch(plan, seq_lens, rpi, extra=extra, num_padding=npad, qlen_mask=qlen_mask,
+                                        tree_rows=tree_rows, checked=False)
+            return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=None, block_table=None,
+                                  tree_mask=None, workspace=ws, batch=batch, dims=dims,
+                                  new_kv=bool(getattr(kernel, "has_new_kv", False)))
         npages = self._num_pages(forward_batch, bs, extra, graph, in_capture)
         if graph:
             g = self._graph
@@ -369,19 +375,8 @@ class MlagenAttnBackend(_Base):
             ws = self._eager_workspace(kernel, bs)
         meta, filler = self._plan(kind, graph, kernel, kv_lens, table, q_len, tree, ws, fused, dims)
 
-        mode, custom = None, None
-        if tree is not None:
-            custom = getattr(spec_info, "custom_mask", None) if kind == "verify" else None
-            if kind == "decode" or custom is None or in_capture:
-                # Decode (q_len 1) / no custom mask (SGLang then runs the drafts causally) / capture.
-                mode, custom = "causal", None
-            else:
-                mode = "qlen_only" if self._is_qlen_only(custom, real, q_len) else "full_mask"
-        if (filler is not None and rpi.is_cuda and rpi.dtype in INDEX_DTYPES and seq_lens.dtype in INDEX_DTYPES
-                and rpi.is_contiguous() and seq_lens.is_contiguous()
-                and (custom is None or (custom.dtype in (torch.bool, torch.uint8) and custom.is_contiguous()))):
-            # the fused fill (these tests are MetadataFill's own checks, made once here) writes npages columns of
-            # the full-width table
+        if filler is not None and rpi.is_cuda and layout_ok:
+            # the fused fill writes npages columns of the full-width table
             filler.launch(seq_lens, rpi, extra=extra, num_padding=npad, npages=npages, q_len=q_len, tree_mode=mode,
                           custom_mask=custom)
         else:  # the torch helpers (CPU, stand-in kernels, modules built before fill_metadata, other masks)
