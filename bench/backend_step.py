@@ -258,6 +258,12 @@ def main() -> int:
                     res["direct"] = bool(getattr(be.forward_metadata.batch, "direct", False))
                 # the eager step's GPU time with the host hidden (~1 ms of sleep queued ahead of it)
                 res[name + "_eager_gpu"] = events_median_us(eager, max(4, a.reps), hide_host_cycles=2_000_000)
+                # the host's own time (call to return, GPU idle at the start): with the GPU time above it splits
+                # the eager step into host and GPU; printed, not tabled
+                res[name + "_host"] = _host_us(eager, max(4, a.reps))
+                print(f"# {name} eager step, bs {bs} ctx {ctx}: host µs (call to return) {res[name + '_host']:.1f}, "
+                      f"eager {res[name + '_eager']:.1f}, eager GPU (host hidden) {res[name + '_eager_gpu']:.1f}",
+                      flush=True)
                 if name == "ours":  # the same step with the metadata launch (the path before run_direct), same host
                     _set_direct(be, False)
                     try:

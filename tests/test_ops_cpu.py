@@ -549,3 +549,21 @@ def test_direct_batch_arguments_reach_run_direct_by_name(monkeypatch, idx_dtype)
     with pytest.raises(ValueError, match="req_to_token must be torch.int32"):
         k.direct_plan(r2t.long(), q_len=q_len, batch_size=bs)
     assert k.module.calls == calls
+
+
+def test_verify_batch_fast_constructor_equals_the_dataclass():
+    """VerifyBatch._new (the direct path's per-step constructor) builds the same frozen instance as the dataclass
+    constructor: every field, in order, and still frozen."""
+    import dataclasses
+
+    from mlagen.ops import VerifyBatch
+
+    vals = (3, 9, 16, None, torch.zeros(2, 5, dtype=torch.int32), torch.ones(9, dtype=torch.int64),
+            torch.arange(3), torch.zeros(64), ((1, 2), (3, 4), 0), True, (torch.ones(3),))
+    fast, ref = VerifyBatch._new(*vals), VerifyBatch(*vals)
+    names = [f.name for f in dataclasses.fields(VerifyBatch)]
+    assert len(names) == len(vals)
+    assert all(getattr(fast, n) is getattr(ref, n) is v for n, v in zip(names, vals))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.bs = 4
+    assert dataclasses.replace(fast, launch_args=()).launch_args == ()

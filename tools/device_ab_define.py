@@ -2,10 +2,12 @@
 each value is its own module (``#define NAME value`` ahead of the rendered source), every shape is timed
 for every build in alternating rounds (the median of the rounds is printed), so clock and machine drift
 fall on all builds alike; first, each build's output is compared bit for bit with the first's on one problem
-per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE (include/mlagen/mla_verify_dimsplit_t.cuh),
-MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
+per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER,
+MLAGEN_DST_TREE_ROWS (include/mlagen/mla_verify_dimsplit_t.cuh), MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
+Several --define options are zipped: build i gets the i-th value of each (all must list as many values).
 
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PROLOGUE=0,1 [--contexts 4096,65536] [--batches 1,4]
+    python3 tools/device_ab_define.py URI --define MLAGEN_DST_PRODUCER=1,0,1,0 --define MLAGEN_DST_TREE_ROWS=1,1,0,0
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
 table: shape, µs per build (median of --rounds CUDA-graph medians), and each build's ratio to the first.
@@ -32,21 +34,22 @@ from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 
-def build(v: Variant, name: str, value: str, out_dir: Path) -> tuple[str, Path]:
-    """(module name, .so path) of ``v`` compiled with ``#define name value``."""
-    mod = f"{v.build_key}_{name.lower()}_{value}"
+def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
+    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines``."""
+    mod = v.build_key + "".join(f"_{name.lower()}_{value}" for name, value in defines)
     src, so = out_dir / f"{mod}.cu", out_dir / f"{mod}{ext_suffix()}"
-    src.write_text(f"#define {name} {value}\n" + render_variant(v, mod))
+    src.write_text("".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod))
     r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {name}={value}:\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"nvcc failed for {defines}:\n{r.stderr[-3000:]}")
     return mod, so
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("uri")
-    ap.add_argument("--define", required=True, help="NAME=v1,v2[,...]: the builds to compare (the first is the base)")
+    ap.add_argument("--define", required=True, action="append",
+                    help="NAME=v1,v2[,...]: the builds to compare (the first is the base); repeated: zipped")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
@@ -54,10 +57,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")
         return 1
-    name, _, values = a.define.partition("=")
-    values = [x for x in values.split(",") if x]
-    if not name or len(values) < 2:
-        sys.exit("--define takes NAME=v1,v2[,...]")
+    defs = []
+    for d in a.define:
+        name, _, vals = d.partition("=")
+        vals = [x for x in vals.split(",") if x]
+        if not name or len(vals) < 2:
+            sys.exit("--define takes NAME=v1,v2[,...]")
+        defs.append((name, vals))
+    if len({len(vals) for _, vals in defs}) != 1:
+        sys.exit("every --define must list as many values")
+    builds = [[(name, vals[i]) for name, vals in defs] for i in range(len(defs[0][1]))]
+    values = [" ".join(f"{n}={x}" for n, x in b) if len(defs) > 1 else b[0][1] for b in builds]
+    name = defs[0][0] if len(defs) == 1 else "build"
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(Variant.from_uri(a.uri), archs=(f"sm_{major}{minor}",))
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
@@ -65,7 +76,7 @@ def main() -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(values), os.cpu_count() or 1)) as pool:
-        built = list(pool.map(lambda x: build(v, name, x, out_dir), values))
+        built = list(pool.map(lambda b: build(v, b, out_dir), builds))
     kernels = [VerifyKernel(v, so, mod) for mod, so in built]
     shapes = [Shape(v.heads, v.q_len, b, c, v.page_size) for b in map(int, a.batches.split(","))
               for c in map(int, a.contexts.split(","))]
@@ -90,8 +101,9 @@ def main() -> int:
             for i in order:
                 times[(i, s)].append(bench_kernel(kernels[i], shape, seed=rnd)["median_us"])
     print(f"\n{a.uri} on {torch.cuda.get_device_name()}: {name} = {', '.join(values)} (median of {a.rounds} rounds)")
-    print("| bs | ctx | " + " | ".join(f"{name}={x} µs" for x in values) + " | " +
-          " | ".join(f"{x} / {values[0]}" for x in values[1:]) + " |")
+    label = (lambda x: f"{name}={x}") if len(defs) == 1 else (lambda x: x)
+    print("| bs | ctx | " + " | ".join(f"{label(x)} µs" for x in values) + " | " +
+          " | ".join(f"{label(x)} / first" for x in values[1:]) + " |")
     print("|---|---|" + "---|" * (2 * len(values) - 1))
     for s, shape in enumerate(shapes):
         med = [statistics.median(times[(i, s)]) for i in range(len(kernels))]

@@ -29,7 +29,11 @@ from mlagen.spec import Variant  # noqa: E402
 
 MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax pass", 8: "no P V MMAs",
          16: "no in-tile barriers", 2 | 8: "no MMAs at all", 4 | 16: "no softmax, no in-tile barriers",
-         2 | 4 | 8 | 16: "loads + loop skeleton only", 1 | 2 | 4 | 8 | 16: "loop skeleton only"}
+         2 | 4 | 8 | 16: "loads + loop skeleton only", 1 | 2 | 4 | 8 | 16: "loop skeleton only",
+         # dimsplit_t (no in-tile barriers there; 32: no score exchange between the cluster's CTAs)
+         1 | 2 | 8: "no KV loads, no MMAs", 2 | 4 | 8: "loads + handoffs + exchange (no math)",
+         1 | 2 | 4 | 8: "handoffs + exchange (no loads, no math)", 32: "no score exchange",
+         1 | 2 | 4 | 8 | 32: "handoffs only (no loads, math, exchange)"}
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
@@ -53,6 +57,8 @@ def main() -> int:
     ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above; "
+                    "dimsplit_t implements 1, 2, 4, 8 and 32)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")
@@ -63,21 +69,22 @@ def main() -> int:
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
     out_dir.mkdir(parents=True, exist_ok=True)
     ctxs = [int(c) for c in a.contexts.split(",")]
+    masks = {0: MASKS[0]} | ({int(m): MASKS[int(m)] for m in a.masks.split(",")} if a.masks else MASKS)
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(len(MASKS), os.cpu_count() or 1)) as pool:
-        sos = dict(zip(MASKS, pool.map(lambda m: build(v, m, out_dir), MASKS)))
+    with ThreadPoolExecutor(max_workers=min(len(masks), os.cpu_count() or 1)) as pool:
+        sos = dict(zip(masks, pool.map(lambda m: build(v, m, out_dir), masks)))
     rows = {}
     kernels = {mask: VerifyKernel(v, so, module_name(v, mask)) for mask, so in sos.items()}
     for mask, k in kernels.items():
         rows[mask] = [bench_kernel(k, Shape(v.heads, v.q_len, a.batch, c, v.page_size))["median_us"] for c in ctxs]
-        print(f"ablate {mask:2d} {MASKS[mask]:34s} " + " ".join(f"{t:8.1f}" for t in rows[mask]), flush=True)
+        print(f"ablate {mask:2d} {masks[mask]:34s} " + " ".join(f"{t:8.1f}" for t in rows[mask]), flush=True)
     print(f"\n{a.uri} on {torch.cuda.get_device_name()}, bs {a.batch}, splits {kernels[0].num_splits(a.batch)}")
     print("| ablation | " + " | ".join(f"{c} µs (saved)" for c in ctxs) + " |")
     print("|---|" + "---|" * len(ctxs))
     for mask, ts in rows.items():
         cells = [f"{t:.1f} ({rows[0][i] - t:+.1f})" for i, t in enumerate(ts)]
-        print(f"| {MASKS[mask]} | " + " | ".join(cells) + " |")
+        print(f"| {masks[mask]} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -50,6 +50,7 @@ struct MlaDimSplitConfig {
   static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only
   static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
   static constexpr bool kZeroFillTail = false;  // the ring is zeroed up front (zero_kv_ring)
+  static constexpr bool kProducerV16 = false;   // dimsplit_produce_bf16 as in v15 (dimsplit_t's v16 producer: off)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
   // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).
   static constexpr bool kKvFp8 = kKvFp8_;
@@ -304,7 +305,11 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
   // asks L2 for the 128-byte lines of its token's two halves in tile i + kPf (4 latent lines + the rope line),
   // so the copies issued once a stage frees read L2 rather than DRAM. The page entry is requested a tile early.
   constexpr int kPf = Cfg::kL2PrefetchTiles;
+  // The prefetch's page entries are requested two tiles before their prefetch (kPfAhead 2), so a tile's
+  // iteration does not wait for a load issued one iteration earlier; 1: v15's (one tile earlier).
+  constexpr bool kPfAhead2 = Cfg::kProducerV16;
   int32_t page_pf = kPf > 0 && num_tiles > kPf ? page_of(tile_begin + kPf) : 0;
+  int32_t page_pf2 = kPfAhead2 && kPf > 0 && num_tiles > kPf + 1 ? page_of(tile_begin + kPf + 1) : 0;
   for (int i = 0; i < num_tiles; ++i) {
     const int tile = tile_begin + i;
     const int stage = i % Cfg::kStages;
@@ -317,7 +322,12 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
         for (int c = 0; c < Cfg::kLatentBytes / 128; ++c) ptx::prefetch_l2(row + rank * Cfg::kLatentHalf + c * 64);
         if constexpr (Cfg::kRopeHalf > 0) ptx::prefetch_l2(row + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf);
       }
-      page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
+      if constexpr (kPfAhead2) {
+        page_pf = page_pf2;
+        page_pf2 = i + kPf + 2 < num_tiles ? page_of(tile + kPf + 2) : 0;
+      } else {
+        page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
+      }
     }
     if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
     const int64_t slot = addr_of(tile, page_next);
@@ -345,21 +355,36 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
                                                                                         : Cfg::kTokensPerProducer);
       __nv_bfloat16* dst_mine = dst_stage + tok_p * Cfg::kKvRowElems;
       // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
-      for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : mine); ++n) {
+      auto copy_latent = [&](int n) {
         const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
         ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
                                 row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
-      }
-      if constexpr (Cfg::kRopeChunks > 0) {  // rope halves: 32 / kRopeChunks tokens per instruction
-        constexpr int kTokPerInstr = 32 / Cfg::kRopeChunks;
-        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : mine); n0 += kTokPerInstr) {
-          const int n = n0 + lane / Cfg::kRopeChunks;
-          const int c = lane % Cfg::kRopeChunks;
-          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
-          if (n < mine) {
-            ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
-                                    row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
-          }
+      };
+      // Rope halves: 32 / kRopeChunks tokens per instruction, from n0.
+      constexpr int kTokPerInstr = Cfg::kRopeChunks > 0 ? 32 / Cfg::kRopeChunks : 32;
+      auto copy_rope = [&](int n0) {
+        const int n = n0 + lane / Cfg::kRopeChunks;
+        const int c = lane % Cfg::kRopeChunks;
+        const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+        if (n < mine) {
+          ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
+                                  row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
+        }
+      };
+      if (Cfg::kProducerV16 && !(kAblate & kAblateLoads) && mine == Cfg::kTokensPerProducer) {
+        // A whole tile (every tile of a split but its request's last): all of its copies in one unrolled block,
+        // so the shuffle -> address -> copy chains of different tokens overlap (with a loop of runtime length
+        // the compiler unrolled 4 tokens, and the producer warp waited on those chains: perf-notes v16).
+#pragma unroll
+        for (int n = 0; n < Cfg::kTokensPerProducer; ++n) copy_latent(n);
+        if constexpr (Cfg::kRopeChunks > 0) {
+#pragma unroll
+          for (int n0 = 0; n0 < Cfg::kTokensPerProducer; n0 += kTokPerInstr) copy_rope(n0);
+        }
+      } else {
+        for (int n = 0; n < ((kAblate & kAblateLoads) ? 0 : mine); ++n) copy_latent(n);
+        if constexpr (Cfg::kRopeChunks > 0) {
+          for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : mine); n0 += kTokPerInstr) copy_rope(n0);
         }
       }
       if constexpr (Cfg::kZeroFillTail) {

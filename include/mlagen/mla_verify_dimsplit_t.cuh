@@ -46,6 +46,17 @@
 #ifndef MLAGEN_DST_PROLOGUE
 #define MLAGEN_DST_PROLOGUE 0
 #endif
+// MLAGEN_DST_PRODUCER 0 (every shipped build): the v16 producer (a whole tile's copies unrolled, the L2 prefetch's
+// page entries two tiles ahead); 1: v15's producer, for A/B timing (perf-notes v16).
+#ifndef MLAGEN_DST_PRODUCER
+#define MLAGEN_DST_PRODUCER 0
+#endif
+// MLAGEN_DST_TREE_ROWS 0 (every shipped build): a request's tree rows are read once into shared memory (by an output
+// warp, in the CTAs whose split holds draft keys) and the masked steps read them there; 1: v15's, each masked
+// step reads them from global memory itself (perf-notes v16).
+#ifndef MLAGEN_DST_TREE_ROWS
+#define MLAGEN_DST_TREE_ROWS 0
+#endif
 
 namespace mlagen {
 
@@ -76,6 +87,9 @@ struct MlaDimSplitTConfig {
   // The producer zero-fills the rows past kv_len of a request's last tile (src-size 0 copies) instead of the
   // prologue zeroing the whole ring (75 KB at 4 stages) before the first copy.
   static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0;
+  // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
+  // prefetch's page entries requested two tiles ahead.
+  static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -126,21 +140,26 @@ struct MlaDimSplitTConfig {
   static constexpr int kSmemP = kPBufs * kPBufElems * 2;
   static constexpr int kSmemAlpha = kPBufs * kRowsPerCta * 4;
   static constexpr int kSmemStats = kRowsPerCta * 4;
+  // The request's tree rows (int64 per draft query), read once per CTA instead of in every masked step: keeps the
+  // masked steps' code short (it sits inside the score loop's hot block; perf-notes v16).
+  static constexpr bool kTreeRowsSmem = kMask == MaskKind::kTree && MLAGEN_DST_TREE_ROWS == 0;
+  static constexpr int kSmemTree = kTreeRowsSmem ? kQLenMax * 8 : 0;
   // Score exchange buffers: two when they fit beside the ring in sm_120's 99 KB (a warp's send of sub-tile
   // j + 2 then follows its peer's read of j with no further signal), else one, and the peer's read of j is
   // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
   // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
   static constexpr int kXchgBufBytes = kScoreWarps * kXchgFloatsPerWarp * 4;
-  static constexpr int kSmemWithTwoXBufs = kSmemKv + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats +
-                                           (2 * kStages + 2 * kScoreWarps + 2 * kPBufs) * 8;
+  static constexpr int kSmemWithTwoXBufs = kSmemKv + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
+                                           (2 * kStages + 2 * kScoreWarps + 2 * kPBufs + (kTreeRowsSmem ? 1 : 0)) * 8;
   static constexpr int kXBufs = kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
   // full, empty [kStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]; with one exchange buffer,
-  // xempty [kScoreWarps] (the peer's warp has read this warp's last send)
+  // xempty [kScoreWarps] (the peer's warp has read this warp's last send); with kTreeRowsSmem, tree (the rows are
+  // in shared memory)
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
-  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars;
+  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars + (kTreeRowsSmem ? 1 : 0);
   static constexpr int kSmemBars = kNumBars * 8;
-  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemBars;
+  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars;
 
   // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
   static constexpr bool kBulkLoad = false;
@@ -182,12 +201,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   __nv_bfloat16* pt_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);
   float* alpha_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemP);
   float* lsum_smem = alpha_smem + Cfg::kPBufs * Cfg::kRowsPerCta;  // [kRowsPerCta]: the final row sums
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(lsum_smem + Cfg::kRowsPerCta);  // [kStages]
+  int64_t* tree_smem = reinterpret_cast<int64_t*>(lsum_smem + Cfg::kRowsPerCta);  // [kQLenMax] with kTreeRowsSmem
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(tree_smem) + Cfg::kSmemTree);
   uint64_t* empty_bar = full_bar + Cfg::kStages;                                        // [kStages]
   uint64_t* xfull_bar = empty_bar + Cfg::kStages;           // [kXBufs][kScoreWarps]: the peer's scores landed
   uint64_t* pfull_bar = xfull_bar + Cfg::kXBufs * Cfg::kScoreWarps;  // [kPBufs]: P^T and factors written
   uint64_t* pempty_bar = pfull_bar + Cfg::kPBufs;                    // [kPBufs]: the output warps are done
   uint64_t* xempty_bar = pempty_bar + Cfg::kPBufs;  // [kXEmptyBars]: the peer read this warp's last scores
+  uint64_t* tree_bar = xempty_bar + Cfg::kXEmptyBars;  // kTreeRowsSmem: tree_smem holds the request's rows
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -210,6 +231,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   float* lse_part = p.lse_part + ws_row_base;
   const int num_tiles = w.tile_end - w.tile_begin;
   const int num_sub = num_tiles * Cfg::kSubTiles;
+  // Whether some step of this split holds draft keys or keys past kv_len (then masked, and its CTA reads the tree rows).
+  const bool masked_split = w.tile_end * Cfg::kBlockN > prefix_len;
 
   if (tid == 0) {
     for (int st = 0; st < Cfg::kStages; ++st) {
@@ -219,6 +242,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
     for (int i = 0; i < Cfg::kXBufs * Cfg::kScoreWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
     for (int i = 0; i < Cfg::kXEmptyBars; ++i) ptx::mbarrier_init(xempty_bar + i, 1);  // the peer warp's lane 0
+    if constexpr (Cfg::kTreeRowsSmem) ptx::mbarrier_init(tree_bar, 1);  // the first output warp's lane 0
     for (int i = 0; i < Cfg::kPBufs; ++i) {
       ptx::mbarrier_init(pfull_bar + i, Cfg::kScoreWarps);
       ptx::mbarrier_init(pempty_bar + i, Cfg::kOutWarps);
@@ -290,6 +314,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           for (int e = 0; e < 4; ++e) s[mt][nt][e] = s2[mt][nt][e] = 0.f;
     };
     auto mma_kstep = [&](int j, int ks, Acc& s, Acc& s2) {  // ks: a compile-time constant after unrolling
+      if constexpr (kAblate & kAblateScores) return;  // diagnostic: no K loads from the stage, no Q K^T MMAs
       const __nv_bfloat16* a_src = sub_kv(j) + (lane % 16) * Cfg::kKvRowElems + (lane / 16) * 8;
       uint32_t a[Cfg::kMTilesS][4];
 #pragma unroll
@@ -313,6 +338,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     };
     const uint32_t xempty_remote = ptx::map_to_cta(ptx::smem_u32(xempty_bar + sw), peer);
     auto send_scores = [&](int j, const Acc& s) {
+      if constexpr (kAblate & kAblateExchange) return;  // diagnostic: each CTA keeps its half of the scores
       if constexpr (Cfg::kXBufs == 1) {  // the peer has read sub-tile j - 1 from its (only) buffer
         if (j > 0) ptx::mbarrier_wait_parity(xempty_bar + sw, static_cast<uint32_t>(j - 1) & 1u);
       }
@@ -331,21 +357,23 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // Fragment (m16 tokens x n8 rows) of token tile mt: s[mt][nt][0] = (token 16 mt + g, row 2 t4), [1] = (g,
     // 2 t4 + 1), [2] = (g + 8, 2 t4), [3] = (g + 8, 2 t4 + 1); a row's tokens are the 8 lanes of one t4.
     auto receive_and_mask = [&](int j, Acc& s) {
-      uint64_t* xbar = xfull_bar + xslot(j);
-      if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
-      ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
-      const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
+      if constexpr (!(kAblate & kAblateExchange)) {
+        uint64_t* xbar = xfull_bar + xslot(j);
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
+        ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
+        const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
 #pragma unroll
-      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-          const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
-          s[mt][nt][0] += v.x;
-          s[mt][nt][1] += v.y;
-          s[mt][nt][2] += v.z;
-          s[mt][nt][3] += v.w;
-        }
-      if constexpr (Cfg::kXBufs == 1) {
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+            const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
+            s[mt][nt][0] += v.x;
+            s[mt][nt][1] += v.y;
+            s[mt][nt][2] += v.z;
+            s[mt][nt][3] += v.w;
+          }
+      }
+      if constexpr (Cfg::kXBufs == 1 && !(kAblate & kAblateExchange)) {
         // The buffer is free for the peer's next send (its reads are done: release at CTA scope, no fence; a
         // release.cluster arrival would add a GPU-scope fence per step).
         __syncwarp();
@@ -353,6 +381,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
       if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
+        if constexpr (Cfg::kTreeRowsSmem) ptx::mbarrier_wait_parity(tree_bar, 0u);  // (phase 0: done at most once)
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
@@ -360,7 +389,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
             const int r = row0 + rloc0 + nt * 8 + 2 * t4 + e;
             const int qi = r / Cfg::kHeads;
             int64_t mask_row = 0;
-            if constexpr (Cfg::kMask == MaskKind::kTree) {
+            if constexpr (Cfg::kTreeRowsSmem) {
+              if (r < rows) mask_row = tree_smem[qi];
+            } else if constexpr (Cfg::kMask == MaskKind::kTree) {
               if (r < rows) mask_row = request_tree_row(p, b, qi);
             }
 #pragma unroll
@@ -378,6 +409,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // (registers, then 3 shuffles over the 8 lanes of a t4), P = 2^(S scale_log2 - m) by one FFMA and one
     // ex2.approx.ftz each (m, m_run: scaled, log2 units), the row's rescale factor and running sum.
     auto softmax_row = [&](Acc& s, int nt, int e, float& alpha) {
+      if constexpr (kAblate & kAblateSoftmax) {  // diagnostic: the scores themselves as P, no max / exp / sum
+        alpha = 1.f;
+        return;
+      }
       float mx = -INFINITY;
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTilesS; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][e], s[mt][nt][2 + e]));
@@ -506,6 +541,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // (tokens 8-15, rows n0), (tokens 0-7, rows n0 + 8), (tokens 8-15, rows n0 + 8).
     const int v_tok = lane % 8 + 8 * (lane / 16), v_dim = 8 * ((lane / 8) % 2);
     const int p_tok = lane % 8 + 8 * ((lane / 8) % 2), p_row = 8 * (lane / 16);
+    if constexpr (Cfg::kTreeRowsSmem) {  // the request's tree rows for the score warps' masked steps (idle until P)
+      if (ow == 0 && masked_split) {
+        for (int qi = lane; qi < q_len; qi += 32) tree_smem[qi] = request_tree_row(p, b, qi);
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(tree_bar);  // release: the rows
+      }
+    }
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
@@ -531,7 +573,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
           }
       }
 #pragma unroll
-      for (int kt = 0; kt < Cfg::kMTilesS; ++kt) {  // k16 steps over the sub-tile's tokens
+      for (int kt = 0; kt < ((kAblate & kAblatePV) ? 0 : Cfg::kMTilesS); ++kt) {  // k16 steps over the tokens
         const __nv_bfloat16* pt =
             pt_smem + buf * Cfg::kPBufElems + (kt * 16 + p_tok) * Cfg::kPRowElems + p_row;
         uint32_t pb[Cfg::kRowNTiles][2];

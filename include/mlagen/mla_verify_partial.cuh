@@ -27,7 +27,8 @@
 
 // Diagnostic builds only (tools/device_ablate.py): MLAGEN_ABLATE drops phases of the main loop so
 // that timing differences show what each costs. The output is then wrong. Bits: 1 KV loads (and
-// their waits), 2 Q K^T MMAs, 4 softmax pass, 8 P V MMAs, 16 the two barriers inside a tile.
+// their waits), 2 Q K^T MMAs, 4 softmax pass, 8 P V MMAs, 16 the two barriers inside a tile, 32 the dimsplit_t
+// score exchange between the cluster's CTAs (st.async and its waits).
 // 0 (the default, every shipped build) compiles to the full kernel.
 #ifndef MLAGEN_ABLATE
 #define MLAGEN_ABLATE 0
@@ -36,7 +37,8 @@
 namespace mlagen {
 
 inline constexpr int kAblate = MLAGEN_ABLATE;
-inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kAblatePV = 8, kAblateBarriers = 16;
+inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kAblatePV = 8, kAblateBarriers = 16,
+                     kAblateExchange = 32;
 
 // Zeroes an array of mma accumulator fragments, [tiles][n tiles][4] fp32.
 template <int kA, int kB>
