@@ -74,9 +74,12 @@ def resources(v: Variant) -> Resources:
         xchg_buf = v.row_tiles * m_tiles * 3 * 32 * 4 * 4  # [score warps][m x 3 tiles][32 lanes][4 floats]
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
         smem_p = 2 * v.block_n * p_row * 2 + 2 * rows * 4 + rows * 4  # 2 P^T buffers, their rescale factors, row sums
+        tree = v.mask == "tree"  # the request's tree rows (int64 per draft query) and their mbarrier
+        smem_p += v.q_len * 8 if tree else 0
         # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
-        x_bufs = 2 if smem_kv + 2 * xchg_buf + smem_p + (2 * v.stages + 2 * v.row_tiles + 4) * 8 <= SMEM_LIMIT["sm_120"] else 1
-        smem_bars = (2 * v.stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0)) * 8
+        x_bufs = 2 if (smem_kv + 2 * xchg_buf + smem_p + (2 * v.stages + 2 * v.row_tiles + 4 + tree) * 8
+                       <= SMEM_LIMIT["sm_120"]) else 1
+        smem_bars = (2 * v.stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0) + tree) * 8
         return Resources(smem_kv + x_bufs * xchg_buf + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
