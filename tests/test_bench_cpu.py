@@ -461,3 +461,36 @@ def test_build_only_compiles_both_sweeps_of_each_bucket_and_needs_no_gpu(monkeyp
     failed = (types.SimpleNamespace(uri="mla_verify_x"), "nvcc: error")
     monkeypatch.setattr(run_bench, "build", lambda *a, **k: types.SimpleNamespace(built=[], failed=[failed]))
     assert run_bench.main(["--grid", "small", "--heads", "8", "--page-sizes", "1", "--build-only"]) == 1
+
+
+def test_ncu_stall_groups_splits_samples_by_execution_count(tmp_path):
+    """tools/ncu_stall_groups.py sums each execution count's samples and stall reasons, and charges an mbarrier
+    wait with its try-wait and the spin branch after it (a synthetic ncu source-page CSV with random counts)."""
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rng = random.Random()
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+           "# Samples", "Instructions Executed", "stall_wait", "stall_long_sb", "stall_wait (Not Issued)"]
+    a, b, c, d = (rng.randint(1, 500) for _ in range(4))
+    rows = [  # (source, samples, executions, wait, long_sb)
+        ("HMMA.16816.F32.BF16 R4, R8, R12, R4", a, 4096, a, 0),
+        ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ+0x100], R3", b, 4096, 0, b),
+        ("IMAD R1, R2, R3, R4", c, 4096, c, 0),
+        ("@!P0 BRA 0x7f0", d, 4096, 0, d),
+        ("LDG.E R5, desc[UR4][R6.64]", 7, 128, 7, 0),
+    ]
+    path = tmp_path / "r.csv"
+    with open(path, "w") as f:
+        f.write('"Kernel Name","k"\n' + ",".join(f'"{h}"' for h in hdr) + "\n")
+        for k, (src, s, ex, w, lsb) in enumerate(rows):
+            f.write(",".join(f'"{x}"' for x in (hex(16 * k), src, s, s, s, ex, w, lsb, 0)) + "\n")
+    tool = Path(__file__).resolve().parent.parent / "tools" / "ncu_stall_groups.py"
+    out = subprocess.run([sys.executable, str(tool), str(path)], capture_output=True, text=True, check=True).stdout
+    total = a + b + c + d + 7
+    assert f"{total} warp-state samples, 5 instructions" in out
+    assert f"| 4096 | 4 | {a + b + c + d} | {100 * (a + b + c + d) / total:.1f}% |" in out
+    assert f"| 128 | 1 | 7 |" in out
+    assert f"[R2+URZ+0x100]  {b + d} samples" in out  # the try-wait and its spin branch, not the IMAD between

@@ -85,7 +85,10 @@ SPECS = {
                  dict(name="gpu_dst_h16q3", heads_per_rank=16, q_len=3, page_size=16, nsplit="auto", mask="tree",
                       schedule="dimsplit_t", row_tiles=2, num_warps=7, block_n=16, stages=8, load_width=128),
                  dict(name="gpu_dst_bn16", heads_per_rank=8, q_len=9, page_size=1, nsplit=7, mask="tree",
-                      schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=16, stages=2, load_width=128)],
+                      schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=16, stages=2, load_width=128),
+                 # q_len 40 > 32: the tree rows' fill into shared memory takes a second pass of the warp's lanes
+                 dict(name="gpu_dst_q40", heads_per_rank=1, q_len=40, page_size=16, nsplit=8, mask="tree",
+                      schedule="dimsplit_t", row_tiles=2, num_warps=7, block_n=32, stages=3, load_width=128)],
     # extremes of H, other masks, odd q_len
     "h1": dict(name="gpu_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal", row_tiles=1,
                load_width=["bulk", 128]),

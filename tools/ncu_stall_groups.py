@@ -1,0 +1,80 @@
+"""Group an ncu source-level profile by execution count (CPU; no GPU needed).
+
+    ncu --section SourceCounters --section WarpStateStats --export R ... python3 tools/device_profile.py URI CTX BS
+    ncu --import R.ncu-rep --page source --print-source sass --csv > R.csv
+    python3 tools/ncu_stall_groups.py R.csv [--top 10]
+
+In a warp-specialized kernel every role runs its own loop, so the instructions of one role's loop share one
+execution count (warps x CTAs x iterations): grouping the per-instruction warp-state samples by that count splits
+the kernel's time by role without reading the SASS. Prints a markdown table (execution count, instructions, samples,
+share, the top stall reasons) and the samples of each mbarrier wait (SYNCS.PHASECHK.TRYWAIT and the spin branch
+after it) by its shared-memory offset. Used for bench/results/h200-ncu-stalls-dimsplit-t-64k-v15.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import gzip
+import sys
+
+
+def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
+    """(header, instruction rows) of ncu's ``--page source --print-source sass --csv`` output (plain or .gz)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        rows = [r for r in csv.reader(f) if r]
+    start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if start is None:
+        raise SystemExit(f"{path}: no 'Address' header row (expected ncu --page source --print-source sass --csv)")
+    return rows[start], rows[start + 1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=10, help="groups to print (largest share first)")
+    a = ap.parse_args()
+    hdr, data = read_rows(a.csv)
+    col = {h: i for i, h in enumerate(hdr)}
+    for need in ("Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"):
+        if need not in col:
+            sys.exit(f"{a.csv}: column {need!r} missing (profile with --section SourceCounters)")
+    src, smp, exe = col["Source"], col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+    stalls = [(i, h[len("stall_"):]) for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+    num = lambda r, i: int(float(r[i] or 0))  # noqa: E731
+    total = sum(num(r, smp) for r in data)
+    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for r in data:
+        g = groups[num(r, exe)]
+        g[0] += num(r, smp)
+        g[1] += 1
+        for i, name in stalls:
+            g[2][name] += num(r, i)
+    print(f"{total} warp-state samples, {len(data)} instructions\n")
+    print("| executions | instructions | samples | share | top stall reasons |")
+    print("|---|---|---|---|---|")
+    for ex, (s, n, c) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        reasons = ", ".join(f"{k} {v}" for k, v in c.most_common(4) if v)
+        print(f"| {ex} | {n} | {s} | {100 * s / max(total, 1):.1f}% | {reasons} |")
+    print("\nmbarrier waits (samples of the try-wait and its spin branch, by barrier operand):")
+    waits = collections.Counter()
+    for k, r in enumerate(data):
+        if "TRYWAIT" not in r[src]:
+            continue
+        operand = r[src].split("[", 1)[1].split("]", 1)[0] if "[" in r[src] else "?"
+        s = num(r, smp)
+        for nxt in data[k + 1:k + 8]:  # the spin branch follows within a few instructions
+            if "BRA" in nxt[src]:
+                s += num(nxt, smp)
+                break
+        waits[(num(r, exe), operand)] += s
+    for (ex, operand), s in waits.most_common():
+        if s:
+            print(f"  executions {ex:>8d}  [{operand}]  {s} samples ({100 * s / max(total, 1):.1f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
