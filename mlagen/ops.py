@@ -418,7 +418,8 @@ class VerifyKernel:
                 of row i: draft i sees draft j; e.g. causal bits for chain drafts). With every row padded
                 nothing reads either, and both may be empty / None.
             checked: False skips the dtype / layout / device checks above (a caller that made them, as the
-                SGLang backend does once per step); the mask size check always runs.
+                SGLang backend does once per step); the mask size check and the one-of qlen_mask / tree_rows
+                check always run.
         Returns:
             A :class:`VerifyBatch` (direct) for :meth:`launch`; it keeps the step's tensors alive.
         Raises:
@@ -436,8 +437,6 @@ class VerifyKernel:
                 raise ValueError(f"extra must be an int >= 0, got {extra!r}")
             if isinstance(num_padding, bool) or not isinstance(num_padding, int) or not 0 <= num_padding <= bs:
                 raise ValueError(f"num_padding must be an int in [0, {bs}], got {num_padding!r}")
-            if tree and num_padding < bs and (qlen_mask is None) == (tree_rows is None):
-                raise ValueError(f"{self.variant.uri} uses a tree mask: pass exactly one of qlen_mask / tree_rows")
             if qlen_mask is not None and (not isinstance(qlen_mask, torch.Tensor) or qlen_mask.dim() != 1
                                           or qlen_mask.dtype not in (torch.bool, torch.uint8)
                                           or not qlen_mask.is_contiguous()):
@@ -450,6 +449,8 @@ class VerifyKernel:
             _check_devices(plan.req_to_token.device, [seq_lens, req_pool_indices, qlen_mask, tree_rows])
             _check_no_overlap(plan.workspace, plan.workspace.numel(), dict(
                 seq_lens=seq_lens, req_pool_indices=req_pool_indices, qlen_mask=qlen_mask, tree_rows=tree_rows))
+        if tree and num_padding < bs and (qlen_mask is None) == (tree_rows is None):  # also unchecked: else a null read
+            raise ValueError(f"{self.variant.uri} uses a tree mask: pass exactly one of qlen_mask / tree_rows")
         mask_ptr = tree_ptr = 0
         if tree and qlen_mask is not None:
             need = (bs - num_padding) * q_len * q_len

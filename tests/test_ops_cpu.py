@@ -540,6 +540,9 @@ def test_direct_batch_arguments_reach_run_direct_by_name(monkeypatch, idx_dtype)
         with pytest.raises(ValueError, match=msg):
             kw = dict(dict(extra=q_len, num_padding=npad), **kw)
             k.direct_batch(plan, seq, rpi, **kw)
+    for kw in (dict(), dict(qlen_mask=mask, tree_rows=rows)):  # unchecked batches too: else the kernel reads null
+        with pytest.raises(ValueError, match="pass exactly one of qlen_mask / tree_rows"):
+            k.direct_batch(plan, seq, rpi, extra=q_len, num_padding=npad, checked=False, **kw)
     with pytest.raises(ValueError, match="seq_lens must be contiguous with >= 4 elements"):
         k.direct_batch(plan, seq[:3], rpi, extra=q_len, num_padding=npad, qlen_mask=mask)
     with pytest.raises(ValueError, match="overlaps seq_lens"):

@@ -54,9 +54,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU; nothing measured")
-        return 1
     defs = []
     for d in a.define:
         name, _, vals = d.partition("=")
@@ -66,9 +63,16 @@ def main() -> int:
         defs.append((name, vals))
     if len({len(vals) for _, vals in defs}) != 1:
         sys.exit("every --define must list as many values")
+    if len({name for name, _ in defs}) != len(defs):
+        sys.exit("each NAME may be given by one --define only")
     builds = [[(name, vals[i]) for name, vals in defs] for i in range(len(defs[0][1]))]
+    if len({tuple(b) for b in builds}) != len(builds):
+        sys.exit("two builds have the same values (one module name): list each combination once")
     values = [" ".join(f"{n}={x}" for n, x in b) if len(defs) > 1 else b[0][1] for b in builds]
     name = defs[0][0] if len(defs) == 1 else "build"
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; nothing measured")
+        return 1
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(Variant.from_uri(a.uri), archs=(f"sm_{major}{minor}",))
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))

@@ -60,6 +60,11 @@ def main() -> int:
     ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above; "
                     "dimsplit_t implements 1, 2, 4, 8 and 32)")
     a = ap.parse_args()
+    picked = [int(m) for m in a.masks.split(",") if m] if a.masks else list(MASKS)
+    unknown = [m for m in picked if m not in MASKS]
+    if unknown:
+        sys.exit(f"--masks: no ablation {unknown}; known: {sorted(MASKS)}")
+    masks = {0: MASKS[0]} | {m: MASKS[m] for m in picked}
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")
         return 1
@@ -69,7 +74,6 @@ def main() -> int:
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
     out_dir.mkdir(parents=True, exist_ok=True)
     ctxs = [int(c) for c in a.contexts.split(",")]
-    masks = {0: MASKS[0]} | ({int(m): MASKS[int(m)] for m in a.masks.split(",")} if a.masks else MASKS)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(masks), os.cpu_count() or 1)) as pool:
