@@ -20,7 +20,10 @@
 
 namespace mlagen {
 
-__device__ __forceinline__ int64_t batch_load_index(const void* ptr, int is_int64, int64_t i) {
+// Element i of an int32 or int64 index tensor (seq_lens, req_pool_indices) as int64; also the metadata kernel's
+// (which indexes with int, the kernels here with int64).
+template <class Index>
+__device__ __forceinline__ int64_t batch_load_index(const void* ptr, int is_int64, Index i) {
   return is_int64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[i]);
 }
 
@@ -28,7 +31,7 @@ __device__ __forceinline__ int64_t batch_load_index(const void* ptr, int is_int6
 __device__ __forceinline__ int request_kv_len(const MlaVerifyParams& p, int b) {
   if (p.seq_lens == nullptr) return p.kv_lens[b];
   if (b >= p.num_real) return 0;
-  const int64_t n = batch_load_index(p.seq_lens, p.seq_lens_is_int64, b) + p.kv_len_extra;
+  const int64_t n = batch_load_index(p.seq_lens, p.seq_lens_is_int64, static_cast<int64_t>(b)) + p.kv_len_extra;
   return n <= 0 ? 0 : static_cast<int>(n < p.block_table_cols ? n : p.block_table_cols);
 }
 
@@ -36,7 +39,7 @@ __device__ __forceinline__ int request_kv_len(const MlaVerifyParams& p, int b) {
 __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams& p, int b) {
   int64_t table_row = b;
   if (p.req_idx != nullptr) {
-    table_row = batch_load_index(p.req_idx, p.req_idx_is_int64, b);
+    table_row = batch_load_index(p.req_idx, p.req_idx_is_int64, static_cast<int64_t>(b));
     if (p.seq_lens != nullptr && (table_row < 0 || table_row >= p.block_table_rows)) table_row = 0;
   }
   return p.block_table + table_row * p.block_table_stride;

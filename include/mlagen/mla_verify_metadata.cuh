@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "mlagen/mla_verify_batch.cuh"  // batch_load_index
+
 namespace mlagen {
 
 // How the tree-mask output is filled (an int from Python; values are part of the module ABI).
@@ -70,10 +72,6 @@ struct MlaMetadataParams {
   int tree_mode;  // MetaTreeMode
 };
 
-__device__ __forceinline__ int64_t meta_load_index(const void* p, int is_int64, int i) {
-  return is_int64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
-}
-
 // torch.div(x, d, rounding_mode="floor") for int32 (C++ '/' truncates toward zero).
 __device__ __forceinline__ int32_t meta_floor_div(int32_t x, int32_t d) {
   const int32_t q = x / d;
@@ -93,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) mla_verify_metadata_kernel(const Mla
 
   // ---- block table: pages [chunk0, chunk0 + kMetaPagesPerBlock) of row b (all loads, then all stores)
   {
-    int64_t row = meta_load_index(p.req_pool_indices, p.rpi_is_int64, b);
+    int64_t row = batch_load_index(p.req_pool_indices, p.rpi_is_int64, b);
     const bool row_ok = row >= 0 && row < p.pool_rows;
     const int32_t* src = p.req_to_token + (row_ok ? row : 0) * p.req_to_token_stride;
     int32_t* dst = p.block_table + static_cast<int64_t>(b) * p.block_table_stride;
@@ -115,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) mla_verify_metadata_kernel(const Mla
   // ---- kv_lens (torch: seq_lens + extra, copied into int32: the low 32 bits)
   const int real = p.batch_size - p.num_padding;
   const bool padded = b >= real;
-  const int64_t len = meta_load_index(p.seq_lens, p.seq_lens_is_int64, b);
+  const int64_t len = batch_load_index(p.seq_lens, p.seq_lens_is_int64, b);
   if (tid == 0) p.kv_lens[b] = padded ? 0 : static_cast<int32_t>(len + p.extra);
 
   if (p.tree_mode == kMetaTreeNone || p.tree_mask == nullptr) return;
@@ -140,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) mla_verify_metadata_kernel(const Mla
   } else {  // FULL_MASK: start = sum_{r<b} (seq_lens[r] + q) * q over real rows (b < real here)
     __shared__ int64_t warp_sums[kWarps];
     int64_t s = 0;
-    for (int r = tid; r < b; r += kThreads) s += (meta_load_index(p.seq_lens, p.seq_lens_is_int64, r) + q) * q;
+    for (int r = tid; r < b; r += kThreads) s += (batch_load_index(p.seq_lens, p.seq_lens_is_int64, r) + q) * q;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
     if ((tid & 31) == 0) warp_sums[tid >> 5] = s;
