@@ -167,17 +167,23 @@ def default_jobs() -> int:
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Within the block, SIGTERM and SIGHUP raise KeyboardInterrupt like SIGINT does, so every
-    ``finally`` / ``except BaseException`` that stops the compile tree runs (main thread only)."""
+def sigterm_as_interrupt(on_signal=None):
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt (its text the signal's name), so
+    every ``finally`` / ``except BaseException`` that stops the compile tree runs (main thread only).
+    ``on_signal(name)`` runs first: Python drops an exception raised by a signal handler that happens to run
+    inside a finalizer (``Exception ignored in ...``), so whoever must stop on the signal should not rely on
+    the exception alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if on_signal is not None:
+            on_signal(name)
+        raise KeyboardInterrupt(name)
 
-    sigs = [signal.SIGTERM, signal.SIGHUP]
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     old = {s: signal.signal(s, handler) for s in sigs}
     try:
         yield
@@ -230,9 +236,20 @@ def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> 
     cmd = [ninja_path(), "-f", str(build_file), "-j", str(jobs), "-k", "0", *targets]
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
     out = []
-    with sigterm_as_interrupt():
+    signals: list[str] = []  # received during the compile
+    ninja: list[subprocess.Popen] = []
+
+    def on_signal(name: str) -> None:
+        # ninja stops now even if the KeyboardInterrupt is lost; the loop then ends and raises below
+        signals.append(name)
+        if ninja:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ninja[0].pid, signal.SIGTERM)
+
+    with sigterm_as_interrupt(on_signal):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=str(build_file.parent), start_new_session=True)
+        ninja.append(proc)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -240,6 +257,8 @@ def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> 
                 if on_line:
                     on_line(line)
             rc = proc.wait()
+            if signals:
+                raise KeyboardInterrupt(signals[0])
         except BaseException:
             stop_tree(proc)
             raise

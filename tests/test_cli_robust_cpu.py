@@ -312,3 +312,36 @@ def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
     assert r.exit_code == 0, r.output
     assert f"waiting for another build of {key} (lock {lock_path})" in r.output
     assert FileLock(str(lock_path)).acquire(timeout=0)
+
+
+def test_signal_whose_exception_is_lost_still_stops_ninja(tmp_path):
+    """A KeyboardInterrupt raised by the signal handler can be dropped (Python ignores exceptions raised inside
+    finalizers, where a handler may happen to run): run_ninja stops ninja on the signal itself and raises once
+    ninja's output ends, instead of reading the hung compile forever. Here the line callback swallows it."""
+    import signal as sig_mod
+
+    from mlagen import ninja_gen
+
+    (tmp_path / "build.ninja").write_text(
+        "rule run\n  command = $cmd\n"
+        "build fast: run\n  cmd = echo fast\n"
+        "build slow: run\n  cmd = sleep 61.37\n")
+    seen = []
+
+    def on_line(line):
+        seen.append(line)
+        if len(seen) == 1:
+            try:
+                os.kill(os.getpid(), sig_mod.SIGTERM)
+                time.sleep(0.5)  # the handler runs here; its exception is caught below, as a finalizer would drop it
+            except KeyboardInterrupt:
+                pass
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        ninja_gen.run_ninja(tmp_path / "build.ninja", ["fast", "slow"], 2, on_line)
+    assert time.monotonic() - t0 < 30, "ninja was not stopped by the signal"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _procs_mentioning("sleep 61.37"):
+        time.sleep(0.1)
+    assert not _procs_mentioning("sleep 61.37"), "the hung compile was left running"
