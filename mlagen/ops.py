@@ -678,11 +678,14 @@ class VerifyKernel:
             raise ValueError(f"{self.variant.uri}: this build has no draft-row support (k_new); rebuild it")
         else:
             kv_args = ()
-        v = self.variant  # a 2-D q / out ([T, H * D]) has its heads D elements apart
-        (self.module.run_direct if direct else self.module.run)(q.data_ptr(), q.stride(0), q.stride(1) if q.dim() == 3 else v.dim_qk, kv2.data_ptr(),
-                        kv2.stride(0), *head, out.data_ptr(), out.stride(0),
-                        out.stride(1) if out.dim() == 3 else v.dim_v, *lse_args, *kv_args, *tail,
-                        float(softmax_scale), stream)
+        # one stride() tuple per tensor (a third of the host time of stride(i) + dim() calls); a 2-D q / out
+        # ([T, H * D]) has its heads D elements apart
+        qs, os_ = q.stride(), out.stride()
+        v = self.variant
+        (self.module.run_direct if direct else self.module.run)(
+            q.data_ptr(), qs[0], qs[1] if len(qs) == 3 else v.dim_qk, kv2.data_ptr(), kv2.stride()[0], *head,
+            out.data_ptr(), os_[0], os_[1] if len(os_) == 3 else v.dim_v, *lse_args, *kv_args, *tail,
+            float(softmax_scale), stream)
 
     def _launch(self, q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse, bs, q_len, splits,
                 softmax_scale, new_kv: tuple = ()):

@@ -1130,3 +1130,40 @@ def test_eager_step_reads_sglang_state_directly(kv_write_loc, mask_layout, real,
         assert k.counts["call"] == 1 and s.be.forward_metadata.kv_lens.tolist() == (
             (s.lens + s.q_len).tolist() + [0] * (bs - real))
         assert (out2.float().view(-1, s.H, 512)[: real * s.q_len] - want).abs().max().item() < 2e-2
+
+
+def test_eager_direct_plans_kept_per_batch_size(kv_write_loc):
+    """Eager batch sizes vary step to step: each (bs, q_len) keeps its direct plan (a step of a size seen before
+    builds none), and a batch past the eager workspace reallocates it and drops every plan of the old one (the
+    next step of an old size builds its plan again, on the new workspace). Each step still matches the
+    reference on its own rows."""
+    gen = torch.Generator().manual_seed(4242)
+    s = _verify_setup(gen, bs=4)
+    s.be.verify_kernel = k = _DirectRefKernel(s.H, s.q_len, "tree", s.ps)
+    scale = float(torch.empty(1).uniform_(0.05, 0.2, generator=gen))
+    layer = _layer(s.H, scale)
+
+    def step(bs):
+        fb = types.SimpleNamespace(**vars(s.fb))
+        fb.batch_size, fb.req_pool_indices, fb.seq_lens = bs, s.fb.req_pool_indices[:bs], s.fb.seq_lens[:bs]
+        fb.out_cache_loc = s.fb.out_cache_loc[: bs * s.q_len]
+        fb.spec_info = types.SimpleNamespace(custom_mask=None, num_tokens_per_req=s.q_len)  # causal drafts
+        s.be.init_forward_metadata(fb)
+        out = s.be.forward_extend(s.q[: bs * s.q_len], s.k[: bs * s.q_len], s.k[: bs * s.q_len, ..., :512], layer, fb,
+                                  save_kv_cache=False)
+        table = s.r2t[fb.req_pool_indices.long()]
+        tree = md.causal_bits(s.q_len, "cpu").expand(bs, s.q_len).clone()
+        want, _ = mla_verify_reference(s.q[: bs * s.q_len], s.pool.kv_buffer[0], table,
+                                       (fb.seq_lens + s.q_len).to(torch.int32), q_len=s.q_len, page_size=s.ps,
+                                       softmax_scale=scale, mask="tree", tree_mask=tree)
+        assert (out.float().view(-1, s.H, 512) - want).abs().max().item() < 2e-2
+        return s.be.forward_metadata.workspace
+
+    ws3 = step(3)
+    for bs in (2, 3, 2, 3):
+        step(bs)
+    assert k.counts["direct_plan"] == 2 and k.counts["direct_batch"] == 5
+    ws4 = step(4)  # past the workspace sized for 3 rows: reallocated, the old plans dropped
+    assert ws4 is not ws3 and ws4.numel() >= k.workspace_numel(4)
+    assert [key[1] for key in s.be._direct_plans] == [4] and k.counts["direct_plan"] == 3
+    assert step(3) is ws4 and k.counts["direct_plan"] == 4

@@ -72,6 +72,15 @@ class MlagenMetadata:
     dims: tuple = ()  # the kernel's (heads, dim_qk, dim_v), read once per step instead of per layer
     new_kv: bool = False  # the kernel's module takes the step's draft rows (has_new_kv), read once per plan
 
+    @classmethod
+    def _direct(cls, kind, kernel, q_len, workspace, batch, dims, new_kv) -> "MlagenMetadata":
+        """The metadata of a direct eager step (no kv_lens / block_table / tree_mask buffers): the instance the
+        constructor builds, without its keyword handling (part of a step's host time)."""
+        m = object.__new__(cls)
+        m.__dict__.update(kind=kind, kernel=kernel, q_len=q_len, kv_lens=None, block_table=None, tree_mask=None,
+                          workspace=workspace, batch=batch, dims=dims, new_kv=new_kv)
+        return m
+
 
 class MlagenAttnBackend(_Base):
     """See the module docstring. Attributes not defined here resolve on the Triton fallback."""
@@ -115,6 +124,7 @@ class MlagenAttnBackend(_Base):
         self._eager_ws = {}  # id(kernel) -> (kernel, workspace, largest bs it was checked for, smem cap then)
         self._eager = None  # persistent eager buffers: kv_lens [rows], block_table [rows, cols], tree [rows, q]
         self._plans = {}  # (kind, graph) -> the validated buffers, their MlagenMetadata and metadata filler
+        self._direct_plans = {}  # (kind, bs, q_len) -> (kernel, its smem cap, kernel.direct_plan): eager steps
         self._kernel_info = {}  # id(kernel) -> (tree?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel, run_direct?)
         self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
@@ -171,31 +181,35 @@ class MlagenAttnBackend(_Base):
         ws = ent[1] if ent is not None and ent[0] is kernel else None
         if ws is None or ws.numel() < kernel.workspace_numel(bs, self.device):
             ws = kernel.alloc_workspace(bs, self.device)
+            self._direct_plans.clear()  # plans of the old workspace: do not keep it alive
         self._eager_ws[id(kernel)] = (kernel, ws, bs, cap)  # reached only for a bs past the checked one (or a new cap)
         return ws
 
     def _info(self, kernel) -> tuple:
         """(tree variant?, fused ``fill_metadata`` available?, (heads, dim_qk, dim_v), the kernel, ``run_direct``
-        available?) of a kernel, read once. Stand-in kernels (CPU tests) have neither unless they say so."""
+        available?, draft-row store (``has_new_kv``) available?) of a kernel, read once. Stand-in kernels (CPU
+        tests) have none of the three unless they say so."""
         info = self._kernel_info.get(id(kernel))
         if info is None or info[3] is not kernel:
             v = kernel.variant
             info = (v.mask == "tree", bool(getattr(kernel, "has_fill_metadata", False)),
                     (getattr(v, "heads", None), getattr(v, "dim_qk", None), getattr(v, "dim_v", None)), kernel,
-                    bool(getattr(kernel, "has_direct", False)))
+                    bool(getattr(kernel, "has_direct", False)), bool(getattr(kernel, "has_new_kv", False)))
             self._kernel_info[id(kernel)] = info
         return info
 
-    def _direct_plan(self, kind: str, kernel, bs: int, q_len: int, ws):
-        """``kernel.direct_plan`` of req_to_token and the eager workspace for bs rows, rebuilt only when the
-        kernel, bs, q_len, the workspace or the kernel's shared-memory cap (its split count) changes."""
+    def _direct_plan(self, kind: str, kernel, bs: int, q_len: int):
+        """``kernel.direct_plan`` of req_to_token and the eager workspace for bs rows, kept per (kind, bs,
+        q_len) (eager batch sizes vary step to step) and rebuilt when the kernel or its shared-memory cap (its
+        split count) changes; all are dropped when the eager workspace is reallocated."""
         cap = getattr(kernel, "smem_per_sm_cap", None)
-        slot = (kind, "direct")
-        p = self._plans.get(slot)
-        if p is not None and p[0] is kernel and p[1] == bs and p[2] == q_len and p[3] is ws and p[4] == cap:
-            return p[5]
+        key = (kind, bs, q_len)
+        p = self._direct_plans.get(key)
+        if p is not None and p[0] is kernel and p[1] == cap:
+            return p[2]
+        ws = self._eager_workspace(kernel, bs)
         plan = kernel.direct_plan(self.req_to_token, q_len=q_len, batch_size=bs, workspace=ws)
-        self._plans[slot] = (kernel, bs, q_len, ws, cap, plan)
+        self._direct_plans[key] = (kernel, cap, plan)
         return plan
 
     def _eager_buffers(self, bs: int, npages: int, q_len: int) -> dict:
@@ -248,8 +262,7 @@ class MlagenAttnBackend(_Base):
             return p[7], p[8]
         batch = kernel.check_batch(kv_lens, table, q_len=q_len, tree_mask=tree, workspace=ws)
         meta = MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=kv_lens, block_table=table,
-                              tree_mask=tree, workspace=ws, batch=batch, dims=dims,
-                              new_kv=bool(getattr(kernel, "has_new_kv", False)))
+                              tree_mask=tree, workspace=ws, batch=batch, dims=dims, new_kv=self._info(kernel)[5])
         filler = (kernel.metadata_filler(kv_lens, table, self.req_to_token, tree_mask=tree, page_size=self.page_size)
                   if fused and kv_lens.is_cuda else None)
         self._plans[slot] = (kernel, kv_lens, table, tree, ws, q_len, cap, meta, filler)
@@ -321,7 +334,7 @@ class MlagenAttnBackend(_Base):
         nothing is launched: the kernel reads them itself (:meth:`mlagen.ops.VerifyKernel.direct_batch`); else
         the persistent eager buffers, filled as for graphs. ``direct=False`` forces the buffers."""
         kernel = self.verify_kernel if kind == "verify" else self.decode_kernel
-        is_tree, fused, dims, _, has_direct = self._info(kernel)
+        is_tree, fused, dims, _, has_direct, new_kv = self._info(kernel)
         spec_info = getattr(forward_batch, "spec_info", None)
         q_len = self._q_len(kind, spec_info)
         rpi = forward_batch.req_pool_indices
@@ -352,13 +365,10 @@ class MlagenAttnBackend(_Base):
             qlen_mask = custom if mode == "qlen_only" and real > 0 else None
             # causal rows, also when every row is padding (no row reads them then)
             tree_rows = self._causal_bits(q_len) if is_tree and qlen_mask is None else None
-            ws = self._eager_workspace(kernel, bs)
-            plan = self._direct_plan(kind, kernel, bs, q_len, ws)
+            plan = self._direct_plan(kind, kernel, bs, q_len)
             batch = kernel.direct_batch(plan, seq_lens, rpi, extra=extra, num_padding=npad, qlen_mask=qlen_mask,
                                         tree_rows=tree_rows, checked=False)
-            return MlagenMetadata(kind=kind, kernel=kernel, q_len=q_len, kv_lens=None, block_table=None,
-                                  tree_mask=None, workspace=ws, batch=batch, dims=dims,
-                                  new_kv=bool(getattr(kernel, "has_new_kv", False)))
+            return MlagenMetadata._direct(kind, kernel, q_len, plan.workspace, batch, dims, new_kv)
         npages = self._num_pages(forward_batch, bs, extra, graph, in_capture)
         if graph:
             g = self._graph
@@ -590,7 +600,7 @@ class MlagenAttnBackend(_Base):
         (the caller checked the module's draft-row support; the pool allows it, k is bf16 [>= T, (1,) D] with 16-byte
         aligned contiguous rows, out_cache_loc int64 [>= T] contiguous on k's device; the loc is checked
         once per step; only the first T = bs * q_len rows are read and stored); else () and SGLang writes."""
-        if not self._kernel_writes_kv():
+        if not (self._pool_write_ok or (self._pool_write_ok is None and self._kernel_writes_kv())):
             return ()
         loc = getattr(forward_batch, "out_cache_loc", None)
         seen, seen_t, ok = self._loc_ok
@@ -600,13 +610,14 @@ class MlagenAttnBackend(_Base):
             self._loc_ok = (loc, T, ok)
         if not ok:
             return ()
-        s0 = k.stride(0)
+        st = k.stride()
+        shape = k.shape
         ptr = k.data_ptr()
-        n = k.shape[0]  # >= T: DP-attention padding rows past bs * q_len are neither read nor stored
-        if (k.dtype != torch.bfloat16 or n < T or k.shape[-1] != D or k.numel() != n * D
-                or k.stride(-1) != 1 or s0 % 8 or ptr % 16):
+        n = shape[0]  # >= T: DP-attention padding rows past bs * q_len are neither read nor stored
+        if (k.dtype != torch.bfloat16 or n < T or shape[-1] != D or k.numel() != n * D
+                or st[-1] != 1 or st[0] % 8 or ptr % 16):
             return ()
-        return (ptr, s0, loc.data_ptr())
+        return (ptr, st[0], loc.data_ptr())
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta = self.forward_metadata
