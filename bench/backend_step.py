@@ -198,8 +198,10 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the host time (µs, GPU idle at the start) of each part of mlagen's one-layer eager "
                          "step (first bs and context): metadata, the KV write, the kernel launch")
-    ap.add_argument("--uri", help="which of the variants built here to use (bulk bn32 w8 rt1 st2 auto for these H/q/ps; "
-                    "the only one built today)")
+    ap.add_argument("--schedule", choices=("dimsplit_t", "rowblock"), default="dimsplit_t",
+                    help="the variant's schedule: dimsplit_t (default; lw128 bn32 st4, the tile `mlagen install` picks "
+                         "for bf16 target verify at H 8 / 16 on the H200 bench) or rowblock (bulk bn32 w8 rt1 st2)")
+    ap.add_argument("--uri", help="which of the variants built here to use (default: the one built)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")
@@ -214,8 +216,15 @@ def main() -> int:
     bss = [int(b) for b in a.batches.split(",")]
     T.WIDTH = max(ctxs) + 2 * q + ps  # req_to_token columns
     T.MAX_BS = max(bss)
-    spec = dict(name="backend-step", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width="bulk",
-                block_n=32, num_warps=8, row_tiles=1, stages=2, mask="tree")
+    if a.schedule == "dimsplit_t":
+        from mlagen.feasibility import dimsplit_t_row_tiles
+
+        rt = dimsplit_t_row_tiles(H * q)
+        spec = dict(name="backend-step-dst", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width=128,
+                    block_n=32, num_warps=rt + 5, row_tiles=rt, stages=4, schedule="dimsplit_t", mask="tree")
+    else:
+        spec = dict(name="backend-step", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width="bulk",
+                    block_n=32, num_warps=8, row_tiles=1, stages=2, mask="tree")
     built = build_variants(spec)
     if a.uri:
         built = [b for b in built if b.uri == a.uri] or sys.exit(f"--uri {a.uri} is not built by {spec}")

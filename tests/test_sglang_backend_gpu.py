@@ -196,12 +196,21 @@ def kernels(gpu_arch):
                               mask=mask, page_size=list(PAGE_SIZES), nsplit="auto", load_width=128, block_n=32,
                               stages=3, schedule="dimsplit", row_tiles=rt, num_warps=rt + 3, dtype="fp8_e4m3",
                               arch=[arch]))
+    # the schedule `mlagen install` picks for bf16 target verify at these H (the H200 bench's winner): dimsplit_t
+    from mlagen.feasibility import dimsplit_t_row_tiles
+
+    for H in H_LIST:
+        rt = dimsplit_t_row_tiles(H * Q_TREE)
+        specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-dst-h{H}", heads_per_rank=H, q_len=Q_TREE,
+                          mask=["tree", "causal"], page_size=list(PAGE_SIZES), nsplit="auto", load_width=128,
+                          block_n=32, stages=4, schedule="dimsplit_t", row_tiles=rt, num_warps=rt + 5, arch=[arch]))
     out = {}
     for spec in specs:
         for bv in build_variants(spec):
             v = bv.variant
             role = "decode" if v.q_len == 1 else "verify"
-            key = (role, v.heads, v.page_size, v.mask) + (("fp8_e4m3",) if v.dtype == "fp8_e4m3" else ())
+            key = (role, v.heads, v.page_size, v.mask) + (("fp8_e4m3",) if v.dtype == "fp8_e4m3" else ()) + (
+                ("dimsplit_t",) if v.schedule == "dimsplit_t" else ())
             out[key] = load_so(bv.uri, str(bv.so_path))
     return out
 
@@ -296,7 +305,7 @@ class _Runner:
         return self._q_len
 
 
-def _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint=False, kv_fp8=False):
+def _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint=False, kv_fp8=False, schedule=None):
     from mlagen.sglang_plugin.backend import MlagenAttnBackend
 
     spec = role == "verify"
@@ -310,7 +319,7 @@ def _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint=False,
         t.num_draft_tokens = q_len if spec else None
         t.topk = 1
         t.target_verify_num_tokens_per_req = q_len if spec else 1
-    key = (role, H, ps, mask) + (("fp8_e4m3",) if kv_fp8 else ())
+    key = (role, H, ps, mask) + (("fp8_e4m3",) if kv_fp8 else ()) + ((schedule,) if schedule else ())
     if key not in kernels:
         pytest.fail(f"mlagen built no variant for {key}; built: {sorted(kernels)}")
     k = kernels[key]
@@ -434,6 +443,17 @@ def test_backend_matches_triton(sgl, kernels, role, H, ps, draft):
     _parity(sgl, kernels, role, H, ps, draft, REPLAYS)
 
 
+DST_CASES = [(H, ps, draft) for H in H_LIST for ps in PAGE_SIZES for draft in ("tree", "chain")]
+
+
+@pytest.mark.parametrize("H, ps, draft", DST_CASES, ids=[f"verify-h{h}-ps{p}-{d}" for h, p, d in DST_CASES])
+def test_dimsplit_t_verify_matches_triton(sgl, kernels, H, ps, draft):
+    """Target verify on the schedule ``mlagen install`` picks for bf16 pools at H 8 / 16 (dimsplit_t, a two-CTA
+    cluster per split), served the same way as the other cases: eager (run_direct on SGLang's tensors, or the
+    metadata launch for a FULL_MASK mask) and replayed beside SGLang's Triton backend."""
+    _parity(sgl, kernels, "verify", H, ps, draft, REPLAYS, schedule="dimsplit_t")
+
+
 FP8_CASES = [(role, H, ps, draft) for H in H_LIST for ps in PAGE_SIZES
              for role, draft in (("verify", "tree"), ("decode", "-"))]
 
@@ -546,12 +566,12 @@ def _vs_exact(runner, layer, b, role, q_len, triton_out, ours_out, what):
     return e_ours, e_tri
 
 
-def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_fp8=False):
+def _parity(sgl, kernels, role, H, ps, draft, replays, fp8_checkpoint=False, kv_fp8=False, schedule=None):
     gen = torch.Generator().manual_seed(1000 * H + ps + (7 if draft == "chain" else 0) + (3 if fp8_checkpoint else 0)
                                         + (5 if kv_fp8 else 0))
     q_len = (Q_TREE if draft == "tree" else Q_CHAIN) if role == "verify" else 1
     mask = "causal" if (role == "decode" or draft == "chain") else "tree"
-    runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint, kv_fp8)
+    runner, ref, ours, layer = _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint, kv_fp8, schedule)
     tree = draft == "tree"
     errs = {"eager": 0.0, "replay": 0.0, "replay_vs_eager": 0.0}
     if kv_fp8:  # errors against the fp32 reference (mlagen's keys) and Triton's, for the print

@@ -5,12 +5,6 @@
 // splits with lse_s = -inf (no visible key) are skipped, so an unwritten o_s is never read.
 // A row with no visible key (kv_len 0, padded batch row) gets out = 0 and lse = -inf.
 //
-// The loads do not wait for each other: each thread issues its lse_s loads and its first pass of o_s loads (every
-// split below num_splits, in bounds of the workspace) before the request's kv_len is known, and drops what is not
-// a live split with a visible key afterwards (a select, so a stale o_s never enters the sum). One L2 round trip
-// instead of three (kv_len -> lse_s -> o_s) before the reductions (docs/perf-notes.md v17;
-// MLAGEN_COMBINE_PREFETCH=0 builds the dependent order, for A/B timing).
-//
 // It may be launched as a programmatic dependent of the partial kernel (mla_verify_launch.cuh, MLAGEN_PDL=1): its
 // CTAs can then be resident before the partial kernel ends, so nothing the partial kernel writes (o_part,
 // lse_part) is read before ptx::griddep_wait().
@@ -23,10 +17,6 @@
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
-
-#ifndef MLAGEN_COMBINE_PREFETCH
-#define MLAGEN_COMBINE_PREFETCH 1
-#endif
 
 namespace mlagen {
 
@@ -70,46 +60,14 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   const int lane = tid % kLanes, group = tid / kLanes;
   ptx::griddep_wait();  // the partial kernel's o_part / lse_part are complete and visible from here on
   const int64_t base = static_cast<int64_t>(b) * p.num_splits * kRowsMax + row;
-  const int d = chunk * (kDimV / kChunks) + lane * 4;
-  const float* o_base = p.o_part + base * kDimV + d;
-  constexpr bool kPrefetch = MLAGEN_COMBINE_PREFETCH != 0;
-  // Prefetch (kPrefetch): this thread's lse_s (s = tid, tid + kCombineThreads: num_splits <= kMaxSplits = 2 x
-  // kCombineThreads) and its first pass of o_s, for every split of the grid; live or not is decided below.
-  static_assert(kMaxSplits <= 2 * kCombineThreads, "two lse loads per thread cover every split");
-  float lse_pf[2] = {-INFINITY, -INFINITY};
-  float4 o_pf[kUnroll];
-  if constexpr (kPrefetch) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = tid + i * kCombineThreads;
-      if (s < p.num_splits) lse_pf[i] = p.lse_part[base + static_cast<int64_t>(s) * kRowsMax];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int s = group + u * kGroups;
-      o_pf[u] = s < p.num_splits ? *reinterpret_cast<const float4*>(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
-                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
   const int ns = live_splits(request_kv_len(p, b), kBlockN, p.num_splits, p.min_tiles_per_split);
 
   // lse_max over splits (block reduction)
   float m = -INFINITY;
-  if constexpr (kPrefetch) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = tid + i * kCombineThreads;
-      if (s < ns) {
-        w_smem[s] = lse_pf[i];
-        m = fmaxf(m, lse_pf[i]);
-      }
-    }
-  } else {
-    for (int s = tid; s < ns; s += kCombineThreads) {
-      const float l = p.lse_part[base + static_cast<int64_t>(s) * kRowsMax];
-      w_smem[s] = l;
-      m = fmaxf(m, l);
-    }
+  for (int s = tid; s < ns; s += kCombineThreads) {
+    const float l = p.lse_part[base + static_cast<int64_t>(s) * kRowsMax];
+    w_smem[s] = l;
+    m = fmaxf(m, l);
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -134,7 +92,9 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
 #pragma unroll
   for (int w = 0; w < kWarpsC; ++w) wsum += red_smem[w];
 
+  const int d = chunk * (kDimV / kChunks) + lane * 4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* o_base = p.o_part + base * kDimV + d;
   for (int s0 = group; s0 < ns; s0 += kUnroll * kGroups) {
     float4 o[kUnroll];
     float w[kUnroll];
@@ -142,12 +102,8 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     for (int u = 0; u < kUnroll; ++u) {
       const int s = s0 + u * kGroups;
       w[u] = s < ns ? w_smem[s] : 0.f;
-      if (kPrefetch && s0 == group) {  // the first pass, loaded above: a split without weight adds 0, whatever it holds
-        o[u] = w[u] != 0.f ? o_pf[u] : make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        o[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      o[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
