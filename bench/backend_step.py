@@ -199,8 +199,8 @@ def main() -> int:
                     help="also print the host time (µs, GPU idle at the start) of each part of mlagen's one-layer eager "
                          "step (first bs and context): metadata, the KV write, the kernel launch")
     ap.add_argument("--schedule", choices=("dimsplit_t", "rowblock"), default="dimsplit_t",
-                    help="the variant's schedule: dimsplit_t (default; lw128 bn32 st4, the tile `mlagen install` picks "
-                         "for bf16 target verify at H 8 / 16 on the H200 bench) or rowblock (bulk bn32 w8 rt1 st2)")
+                    help="the variant's schedule: dimsplit_t (default; lw128 bn32 st4, the H200 bench's fastest tile for H 8 "
+                         "target verify from 16k tokens up) or rowblock (bulk bn32 w8 rt1 st2)")
     ap.add_argument("--uri", help="which of the variants built here to use (default: the one built)")
     a = ap.parse_args()
     if not torch.cuda.is_available():

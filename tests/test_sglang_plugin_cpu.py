@@ -1135,8 +1135,9 @@ def test_eager_step_reads_sglang_state_directly(kv_write_loc, mask_layout, real,
 def test_eager_direct_plans_kept_per_batch_size(kv_write_loc):
     """Eager batch sizes vary step to step: each (bs, q_len) keeps its direct plan (a step of a size seen before
     builds none), and a batch past the eager workspace reallocates it and drops every plan of the old one (the
-    next step of an old size builds its plan again, on the new workspace). Each step still matches the
-    reference on its own rows."""
+    next step of an old size builds its plan again, on the new workspace). A new shared-memory cap rebuilds the
+    plans on a workspace of the new size; another kernel drops the old kernel's plans. Each step still matches
+    the reference on its own rows."""
     gen = torch.Generator().manual_seed(4242)
     s = _verify_setup(gen, bs=4)
     s.be.verify_kernel = k = _DirectRefKernel(s.H, s.q_len, "tree", s.ps)
@@ -1167,3 +1168,16 @@ def test_eager_direct_plans_kept_per_batch_size(kv_write_loc):
     assert ws4 is not ws3 and ws4.numel() >= k.workspace_numel(4)
     assert [key[1] for key in s.be._direct_plans] == [4] and k.counts["direct_plan"] == 3
     assert step(3) is ws4 and k.counts["direct_plan"] == 4
+
+    # the kernel's shared-memory cap changes (limit_smem_per_sm: other split counts, a larger workspace): every
+    # size's plan is rebuilt, on a workspace of the new size
+    k.smem_per_sm_cap = 102_400
+    k.workspace_numel = lambda bs, device=None: 64 * bs
+    ws3c = step(3)
+    assert k.counts["direct_plan"] == 5 and ws3c is not ws4 and ws3c.numel() >= 64 * 3
+    assert step(4).numel() >= 64 * 4 and k.counts["direct_plan"] == 6
+    # another kernel takes the kind: its plans only (the old kernel's are dropped, not kept alive)
+    s.be.verify_kernel = k2 = _DirectRefKernel(s.H, s.q_len, "tree", s.ps)
+    step(3)
+    assert k2.counts["direct_plan"] == 1 and all(p[0] is k2 for p in s.be._direct_plans.values())
+    assert len(s.be._direct_plans) == 1

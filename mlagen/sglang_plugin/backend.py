@@ -70,7 +70,7 @@ class MlagenMetadata:
     workspace: torch.Tensor  # fp32 1-D
     batch: Any = None  # mlagen.ops.VerifyBatch: the above, validated once for every layer's launch
     dims: tuple = ()  # the kernel's (heads, dim_qk, dim_v), read once per step instead of per layer
-    new_kv: bool = False  # the kernel's module takes the step's draft rows (has_new_kv), read once per plan
+    new_kv: bool = False  # the kernel's module takes the step's draft rows (has_new_kv), read once per kernel
 
     @classmethod
     def _direct(cls, kind, kernel, q_len, workspace, batch, dims, new_kv) -> "MlagenMetadata":
@@ -125,7 +125,7 @@ class MlagenAttnBackend(_Base):
         self._eager = None  # persistent eager buffers: kv_lens [rows], block_table [rows, cols], tree [rows, q]
         self._plans = {}  # (kind, graph) -> the validated buffers, their MlagenMetadata and metadata filler
         self._direct_plans = {}  # (kind, bs, q_len) -> (kernel, its smem cap, kernel.direct_plan): eager steps
-        self._kernel_info = {}  # id(kernel) -> (tree?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel, run_direct?)
+        self._kernel_info = {}  # id(kernel) -> (tree?, fused fill_metadata?, (heads, dim_qk, dim_v), kernel, run_direct?, has_new_kv?)
         self._kv_write_loc = None  # SGLang's KVWriteLoc, imported on the first KV write
         self._kv_checked = {}  # layer_id -> data_ptr of the KV pool buffer check_kv_cache accepted
         self._pool_write_ok = None  # whether the kernel may store the draft rows itself (see _kernel_writes_kv)
@@ -201,12 +201,16 @@ class MlagenAttnBackend(_Base):
     def _direct_plan(self, kind: str, kernel, bs: int, q_len: int):
         """``kernel.direct_plan`` of req_to_token and the eager workspace for bs rows, kept per (kind, bs,
         q_len) (eager batch sizes vary step to step) and rebuilt when the kernel or its shared-memory cap (its
-        split count) changes; all are dropped when the eager workspace is reallocated."""
+        split count) changes; all are dropped when the eager workspace is reallocated or another kernel takes a
+        kind (the old kernel's plans would keep it and its workspace alive)."""
         cap = getattr(kernel, "smem_per_sm_cap", None)
         key = (kind, bs, q_len)
         p = self._direct_plans.get(key)
-        if p is not None and p[0] is kernel and p[1] == cap:
-            return p[2]
+        if p is not None:
+            if p[0] is kernel and p[1] == cap:
+                return p[2]
+            if p[0] is not kernel:
+                self._direct_plans.clear()
         ws = self._eager_workspace(kernel, bs)
         plan = kernel.direct_plan(self.req_to_token, q_len=q_len, batch_size=bs, workspace=ws)
         self._direct_plans[key] = (kernel, cap, plan)
