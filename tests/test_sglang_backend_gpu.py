@@ -1,7 +1,7 @@
 """GPU parity test: mlagen backend vs SGLang's TritonAttnBackend on identical MLA batches.
 
-Runs TARGET_VERIFY (tree and chain drafts) and DECODE, H = 8 and 16, page_size 1 and 64,
-1..16 requests: eager, then CUDA-graph capture at the runner's batch buckets and 1000 replays
+Runs TARGET_VERIFY (tree and chain drafts; rowblock and dimsplit_t variants) and DECODE, H = 8 and 16,
+page_size 1 and 64, 1..16 requests: eager, then CUDA-graph capture at the runner's batch buckets and 1000 replays
 with random lengths and padded rows (kv_len 0 on our side), each replay checked against Triton
 and the padded rows checked to be 0. Prints the max errors.
 
