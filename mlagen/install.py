@@ -27,7 +27,7 @@ def entry_for(reg: Registry, uri: str, arch: str) -> dict:
         raise InstallError(f"{uri} has no passing verification; run `mlagen verify` on a GPU")
     if ver["arch"] != arch:
         raise InstallError(f"{uri} was verified on {ver['arch']}, but the server GPU is {arch}: "
-                           f"run `mlagen verify` on a {arch} machine")
+                           f"run `mlagen verify` on an {arch} machine")
     if arch not in row["archs"]:
         raise InstallError(f"{uri} was not compiled for {arch} (archs: {', '.join(row['archs'])})")
     v = Variant.from_dict(row["variant"])
@@ -60,7 +60,7 @@ def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:
             cands.append((v, entry, times))
         if not cands:
             raise InstallError(f"no variant of bucket {bucket} is verified on {arch}: run "
-                               f"`mlagen build {spec.source}` on a {arch} GPU machine")
+                               f"`mlagen build {spec.source}` on an {arch} GPU machine")
         timed = [c for c in cands if c[2]]
         common = set.intersection(*(set(t) for _, _, t in timed)) if timed else set()
         if common:

@@ -494,3 +494,23 @@ def test_ncu_stall_groups_splits_samples_by_execution_count(tmp_path):
     assert f"| 4096 | 4 | {a + b + c + d} | {100 * (a + b + c + d) / total:.1f}% |" in out
     assert f"| 128 | 1 | 7 |" in out
     assert f"[R2+URZ+0x100]  {b + d} samples" in out  # the try-wait and its spin branch, not the IMAD between
+
+
+def test_device_session_refuses_an_unknown_mode_before_any_setup(tmp_path):
+    """A misspelled mode stops with one line and exit 2 before device_env.sh runs (no wheel install, no
+    `pip install -e .`, no $OUT written); it used to fall through to the bench."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "device_session.sh"), "test"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(out)}, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unknown mode 'test'" in r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would build and run the variant")
+def test_device_profile_needs_a_gpu_in_one_line():
+    """tools/device_profile.py without a GPU: one line and exit 1, not a traceback from torch's CUDA generator."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_profile.py"),
+                        "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+                        "4096", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr

@@ -197,7 +197,7 @@ def kernels(gpu_arch):
                               mask=mask, page_size=list(PAGE_SIZES), nsplit="auto", load_width=128, block_n=32,
                               stages=3, schedule="dimsplit", row_tiles=rt, num_warps=rt + 3, dtype="fp8_e4m3",
                               arch=[arch]))
-    # dimsplit_t verify variants: the H200 bench's fastest schedule for H 8 target verify from 16k tokens up
+    # dimsplit_t verify variants: the H200 bench's fastest schedule for H 8 target verify
     from mlagen.feasibility import dimsplit_t_row_tiles
 
     for H in H_LIST:
@@ -449,8 +449,8 @@ DST_CASES = [(H, ps, draft) for H in H_LIST for ps in PAGE_SIZES for draft in ("
 
 @pytest.mark.parametrize("H, ps, draft", DST_CASES, ids=[f"verify-h{h}-ps{p}-{d}" for h, p, d in DST_CASES])
 def test_dimsplit_t_verify_matches_triton(sgl, kernels, H, ps, draft):
-    """Target verify on the dimsplit_t schedule (a two-CTA cluster per split; the H200 bench's fastest for H 8 from
-    16k tokens up), served the same way as the other cases: eager (run_direct on SGLang's tensors, or the
+    """Target verify on the dimsplit_t schedule (a two-CTA cluster per split; the H200 bench's fastest for H 8
+    target verify), served the same way as the other cases: eager (run_direct on SGLang's tensors, or the
     metadata launch for a FULL_MASK mask) and replayed beside SGLang's Triton backend."""
     _parity(sgl, kernels, "verify", H, ps, draft, REPLAYS, schedule="dimsplit_t")
 

@@ -1,5 +1,10 @@
 """One shape, one variant, for ncu / compute-sanitizer: python tools/device_profile.py URI CTX BS [quick-verify]."""
 import sys, torch
+
+if len(sys.argv) < 4:
+    sys.exit("usage: python tools/device_profile.py URI CTX BS [quick-verify]")
+if not torch.cuda.is_available():
+    sys.exit("tools/device_profile.py needs a CUDA GPU (none visible to torch); nothing run")
 from mlagen.build import build_variants
 from mlagen.spec import Variant
 from mlagen.ops import VerifyKernel

@@ -24,6 +24,11 @@
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
+case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule)" >&2
+     exit 2 ;;
+esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
@@ -193,7 +198,7 @@ elif [ "$MODE" = grid ]; then
   step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT" \
     ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${SMEM:+--smem-per-sm "$SMEM"}
   grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
-else
+elif [ "$MODE" = bench ]; then
   step bench_small 330 python3 bench/run_bench.py --grid small --out "$OUT"
   sglang_test
   grep -E "^\|" "$OUT/bench_small.log" | tail -25
