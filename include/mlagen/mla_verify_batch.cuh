@@ -18,6 +18,13 @@
 
 #include "mlagen/mla_verify_params.cuh"
 
+// Diagnostic builds only (tools/device_ab_define.py): MLAGEN_BATCH_DIRECT 1 (every shipped build) reads either form;
+// 0 compiles the metadata-buffer form alone (run_direct is then wrong: never install such a build), to time what the
+// direct form's run-time choices cost the kernels on metadata buffers (docs/perf-notes.md v17, the q_len 1 tile).
+#ifndef MLAGEN_BATCH_DIRECT
+#define MLAGEN_BATCH_DIRECT 1
+#endif
+
 namespace mlagen {
 
 // Element i of an int32 or int64 index tensor (seq_lens, req_pool_indices) as int64; also the metadata kernel's
@@ -29,7 +36,7 @@ __device__ __forceinline__ int64_t batch_load_index(const void* ptr, int is_int6
 
 // Request b's KV length, its draft tokens included.
 __device__ __forceinline__ int request_kv_len(const MlaVerifyParams& p, int b) {
-  if (p.seq_lens == nullptr) return p.kv_lens[b];
+  if (!MLAGEN_BATCH_DIRECT || p.seq_lens == nullptr) return p.kv_lens[b];
   if (b >= p.num_real) return 0;
   const int64_t n = batch_load_index(p.seq_lens, p.seq_lens_is_int64, static_cast<int64_t>(b)) + p.kv_len_extra;
   return n <= 0 ? 0 : static_cast<int>(n < p.block_table_cols ? n : p.block_table_cols);
@@ -40,7 +47,9 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
   int64_t table_row = b;
   if (p.req_idx != nullptr) {
     table_row = batch_load_index(p.req_idx, p.req_idx_is_int64, static_cast<int64_t>(b));
-    if (p.seq_lens != nullptr && (table_row < 0 || table_row >= p.block_table_rows)) table_row = 0;
+    if (MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr && (table_row < 0 || table_row >= p.block_table_rows)) {
+      table_row = 0;
+    }
   }
   return p.block_table + table_row * p.block_table_stride;
 }
@@ -48,19 +57,21 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
 // The table entry a loader fetches for position pos: a page id, or (direct) the token's slot.
 template <int kPageSize>
 __device__ __forceinline__ int32_t table_entry(const MlaVerifyParams& p, const int32_t* page_row, int pos) {
-  return p.seq_lens != nullptr ? page_row[pos] : page_row[pos / kPageSize];
+  return MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr ? page_row[pos] : page_row[pos / kPageSize];
 }
 
 // The cache slot of position pos from its table entry (table_entry).
 template <int kPageSize>
 __device__ __forceinline__ int64_t entry_slot(const MlaVerifyParams& p, int32_t entry, int pos) {
-  return p.seq_lens != nullptr ? static_cast<int64_t>(entry)
-                               : static_cast<int64_t>(entry) * kPageSize + pos % kPageSize;
+  return MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr ? static_cast<int64_t>(entry)
+                                                      : static_cast<int64_t>(entry) * kPageSize + pos % kPageSize;
 }
 
 // Tree bitmask of draft query qi of request b (bit j: qi sees draft token j).
 __device__ __forceinline__ int64_t request_tree_row(const MlaVerifyParams& p, int b, int qi) {
-  if (p.tree_qlen_mask == nullptr) return p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+  if (!MLAGEN_BATCH_DIRECT || p.tree_qlen_mask == nullptr) {
+    return p.tree_mask[static_cast<int64_t>(b) * p.tree_mask_stride + qi];
+  }
   const uint8_t* cells = p.tree_qlen_mask + (static_cast<int64_t>(b) * p.q_len + qi) * p.q_len;
   uint64_t bits = 0;
 #pragma unroll 4
