@@ -217,11 +217,11 @@ def main() -> int:
     T.WIDTH = max(ctxs) + 2 * q + ps  # req_to_token columns
     T.MAX_BS = max(bss)
     if a.schedule == "dimsplit_t":
-        from mlagen.feasibility import dimsplit_t_row_tiles
+        from mlagen.feasibility import dimsplit_t_num_warps, dimsplit_t_row_tiles
 
         rt = dimsplit_t_row_tiles(H * q)
         spec = dict(name="backend-step-dst", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width=128,
-                    block_n=32, num_warps=rt + 5, row_tiles=rt, stages=4, schedule="dimsplit_t", mask="tree")
+                    block_n=32, num_warps=dimsplit_t_num_warps(rt), row_tiles=rt, stages=4, schedule="dimsplit_t", mask="tree")
     else:
         spec = dict(name="backend-step", heads_per_rank=H, q_len=q, page_size=ps, nsplit="auto", load_width="bulk",
                     block_n=32, num_warps=8, row_tiles=1, stages=2, mask="tree")

@@ -38,7 +38,7 @@ from mlagen.ops import SM120_SMEM_PER_SM, VerifyKernel  # noqa: E402
 from mlagen.registry import Registry  # noqa: E402
 from mlagen.spec import Variant, parse_spec  # noqa: E402
 from mlagen.verify import summarize, verify_kernel  # noqa: E402
-from mlagen.feasibility import DIMSPLIT_T_OUT_WARPS, dimsplit_row_tiles, dimsplit_t_row_tiles  # noqa: E402
+from mlagen.feasibility import dimsplit_row_tiles, dimsplit_t_num_warps, dimsplit_t_row_tiles  # noqa: E402
 
 # (H, q_len, bs, ctx, page_size)
 SMALL = ([(8, 9, bs, c, ps) for ps in (1, 64) for bs in (1, 4) for c in (4096, 16384, 65536, 131072)]
@@ -72,7 +72,7 @@ def dimsplit_t_tuning_spec(H: int, q_len: int, ps: int) -> dict:
     rt = dimsplit_t_row_tiles(H * q_len)
     return dict(name=f"bench_dst_h{H}_q{q_len}_ps{ps}", heads_per_rank=H, q_len=q_len, page_size=ps,
                 mask="tree" if q_len > 1 else "causal", nsplit=["auto", *NSPLIT_SWEEP], block_n=[16, 32], stages=[4, 6, 8, 3],
-                row_tiles=rt, num_warps=rt + DIMSPLIT_T_OUT_WARPS + 1, schedule="dimsplit_t", load_width=128)
+                row_tiles=rt, num_warps=dimsplit_t_num_warps(rt), schedule="dimsplit_t", load_width=128)
 
 
 def fp8_tuning_spec(H: int, q_len: int, ps: int) -> dict:

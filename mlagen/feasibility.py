@@ -40,6 +40,12 @@ def dimsplit_t_row_tiles(rows_max: int) -> int:
     return -(-warps // clusters)
 
 
+def dimsplit_t_num_warps(row_tiles: int) -> int:
+    """Warps of a dimsplit_t CTA: ``row_tiles`` score warps, DIMSPLIT_T_OUT_WARPS output warps and a producer
+    (MlaDimSplitTConfig's warp roles)."""
+    return row_tiles + DIMSPLIT_T_OUT_WARPS + 1
+
+
 def dimsplit_pairs(v: Variant) -> bool:
     """Whether a dimsplit variant runs two consumer warps per row tile (num_warps = 2 x row_tiles + 1;
     MlaDimSplitConfig::kPairs): each scores 8 of a sub-tile's 16 tokens and owns 128 of the CTA's 256
@@ -225,8 +231,8 @@ def _dimsplit_t_reason(v: Variant) -> str | None:
     if v.row_tiles != want:
         return (f"schedule dimsplit_t covers {v.rows_max} rows with score warps of {DIMSPLIT_T_ROWS_PER_SCORE_WARP} "
                 f"rows, at most {DIMSPLIT_T_MAX_SCORE_WARPS} per cluster: row_tiles must be {want} and num_warps "
-                f"{want + DIMSPLIT_T_OUT_WARPS + 1}, got row_tiles {v.row_tiles}")
-    warps = v.row_tiles + DIMSPLIT_T_OUT_WARPS + 1
+                f"{dimsplit_t_num_warps(want)}, got row_tiles {v.row_tiles}")
+    warps = dimsplit_t_num_warps(v.row_tiles)
     if v.num_warps != warps:
         return (f"schedule dimsplit_t runs row_tiles score warps, {DIMSPLIT_T_OUT_WARPS} output warps and a producer: "
                 f"num_warps must be {warps}, got {v.num_warps}")

@@ -514,3 +514,12 @@ def test_device_profile_needs_a_gpu_in_one_line():
                         "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
                         "4096", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("masks, msg", [("2,x", "comma-separated integers expected"), ("2,3", "no ablation [3]")])
+def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg):
+    """tools/device_ablate.py --masks: a non-integer or an unknown mask stops with one line, before the GPU check
+    and before any build."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"), "--masks", masks],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -198,13 +198,14 @@ def kernels(gpu_arch):
                               stages=3, schedule="dimsplit", row_tiles=rt, num_warps=rt + 3, dtype="fp8_e4m3",
                               arch=[arch]))
     # dimsplit_t verify variants: the H200 bench's fastest schedule for H 8 target verify
-    from mlagen.feasibility import dimsplit_t_row_tiles
+    from mlagen.feasibility import dimsplit_t_num_warps, dimsplit_t_row_tiles
 
     for H in H_LIST:
         rt = dimsplit_t_row_tiles(H * Q_TREE)
         specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-dst-h{H}", heads_per_rank=H, q_len=Q_TREE,
                           mask=["tree", "causal"], page_size=list(PAGE_SIZES), nsplit="auto", load_width=128,
-                          block_n=32, stages=4, schedule="dimsplit_t", row_tiles=rt, num_warps=rt + 5, arch=[arch]))
+                          block_n=32, stages=4, schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt),
+                          arch=[arch]))
     out = {}
     for spec in specs:
         for bv in build_variants(spec):

@@ -60,7 +60,10 @@ def main() -> int:
     ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above; "
                     "dimsplit_t implements 1, 2, 4, 8 and 32)")
     a = ap.parse_args()
-    picked = [int(m) for m in a.masks.split(",") if m] if a.masks else list(MASKS)
+    try:
+        picked = [int(m) for m in a.masks.split(",") if m] if a.masks else list(MASKS)
+    except ValueError:
+        sys.exit(f"--masks: comma-separated integers expected, got {a.masks!r}")
     unknown = [m for m in picked if m not in MASKS]
     if unknown:
         sys.exit(f"--masks: no ablation {unknown}; known: {sorted(MASKS)}")

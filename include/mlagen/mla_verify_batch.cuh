@@ -34,9 +34,14 @@ __device__ __forceinline__ int64_t batch_load_index(const void* ptr, int is_int6
   return is_int64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[i]);
 }
 
+// Whether the launch passes SGLang's batch state itself (the direct form) rather than metadata buffers.
+__device__ __forceinline__ bool batch_is_direct(const MlaVerifyParams& p) {
+  return MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr;
+}
+
 // Request b's KV length, its draft tokens included.
 __device__ __forceinline__ int request_kv_len(const MlaVerifyParams& p, int b) {
-  if (!MLAGEN_BATCH_DIRECT || p.seq_lens == nullptr) return p.kv_lens[b];
+  if (!batch_is_direct(p)) return p.kv_lens[b];
   if (b >= p.num_real) return 0;
   const int64_t n = batch_load_index(p.seq_lens, p.seq_lens_is_int64, static_cast<int64_t>(b)) + p.kv_len_extra;
   return n <= 0 ? 0 : static_cast<int>(n < p.block_table_cols ? n : p.block_table_cols);
@@ -47,9 +52,7 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
   int64_t table_row = b;
   if (p.req_idx != nullptr) {
     table_row = batch_load_index(p.req_idx, p.req_idx_is_int64, static_cast<int64_t>(b));
-    if (MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr && (table_row < 0 || table_row >= p.block_table_rows)) {
-      table_row = 0;
-    }
+    if (batch_is_direct(p) && (table_row < 0 || table_row >= p.block_table_rows)) table_row = 0;
   }
   return p.block_table + table_row * p.block_table_stride;
 }
@@ -57,14 +60,13 @@ __device__ __forceinline__ const int32_t* request_page_row(const MlaVerifyParams
 // The table entry a loader fetches for position pos: a page id, or (direct) the token's slot.
 template <int kPageSize>
 __device__ __forceinline__ int32_t table_entry(const MlaVerifyParams& p, const int32_t* page_row, int pos) {
-  return MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr ? page_row[pos] : page_row[pos / kPageSize];
+  return batch_is_direct(p) ? page_row[pos] : page_row[pos / kPageSize];
 }
 
 // The cache slot of position pos from its table entry (table_entry).
 template <int kPageSize>
 __device__ __forceinline__ int64_t entry_slot(const MlaVerifyParams& p, int32_t entry, int pos) {
-  return MLAGEN_BATCH_DIRECT && p.seq_lens != nullptr ? static_cast<int64_t>(entry)
-                                                      : static_cast<int64_t>(entry) * kPageSize + pos % kPageSize;
+  return batch_is_direct(p) ? static_cast<int64_t>(entry) : static_cast<int64_t>(entry) * kPageSize + pos % kPageSize;
 }
 
 // Tree bitmask of draft query qi of request b (bit j: qi sees draft token j).
