@@ -29,6 +29,7 @@ def dimsplit_row_tiles(rows_max: int) -> int:
 
 DIMSPLIT_T_MAX_SCORE_WARPS = 3  # 72 rows: the output warps' O^T (64 dims x 72 rows) is 144 registers
 DIMSPLIT_T_OUT_WARPS = 4
+DIMSPLIT_T_FP8_BF16_STAGES = 3  # fp8: bf16 stages the output warps dequantize into (MlaDimSplitTConfig::kConvStages)
 
 
 def dimsplit_t_row_tiles(rows_max: int) -> int:
@@ -75,7 +76,11 @@ def resources(v: Variant) -> Resources:
     if v.schedule == "dimsplit_t":
         dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2
         rows = DIMSPLIT_T_ROWS_PER_SCORE_WARP * v.row_tiles
-        smem_kv = v.stages * v.block_n * (dim_cta + 8) * 2
+        fp8 = v.dtype == "fp8_e4m3"
+        cons_stages = DIMSPLIT_T_FP8_BF16_STAGES if fp8 else v.stages  # fp8: the bf16 ring the output warps fill
+        smem_kv = cons_stages * v.block_n * (dim_cta + 8) * 2
+        smem_kv += v.stages * v.block_n * (dim_cta + 16) if fp8 else 0  # the e4m3 ring, rows padded by 16 B
+        fp8_bars = 2 * v.stages if fp8 else 0
         m_tiles = v.block_n // 16  # m16 token tiles of a score step (a whole stage)
         xchg_buf = v.row_tiles * m_tiles * 3 * 32 * 4 * 4  # [score warps][m x 3 tiles][32 lanes][4 floats]
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
@@ -83,9 +88,10 @@ def resources(v: Variant) -> Resources:
         tree = v.mask == "tree"  # the request's tree rows (int64 per draft query) and their mbarrier
         smem_p += v.q_len * 8 if tree else 0
         # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
-        x_bufs = 2 if (smem_kv + 2 * xchg_buf + smem_p + (2 * v.stages + 2 * v.row_tiles + 4 + tree) * 8
+        x_bufs = 2 if (smem_kv + 2 * xchg_buf + smem_p + (2 * cons_stages + fp8_bars + 2 * v.row_tiles + 4 + tree) * 8
                        <= SMEM_LIMIT["sm_120"]) else 1
-        smem_bars = (2 * v.stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0) + tree) * 8
+        smem_bars = (2 * cons_stages + fp8_bars + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0)
+                     + tree) * 8
         return Resources(smem_kv + x_bufs * xchg_buf + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
@@ -131,7 +137,7 @@ def infeasible_reason(v: Variant) -> str | None:
     if v.schedule == "dimsplit_t":
         return _dimsplit_t_reason(v)
     if v.dtype != "bf16":
-        return f"dtype {v.dtype} (KV cache) needs schedule dimsplit (its converter warps dequantize the stages)"
+        return f"dtype {v.dtype} (KV cache) needs schedule dimsplit or dimsplit_t (their warps dequantize the stages)"
     if v.num_warps not in ROWBLOCK_WARPS:
         return f"schedule rowblock needs num_warps 4, 8 or 16, got {v.num_warps}"
     if v.overlap and v.load_width != "bulk":
@@ -216,8 +222,9 @@ def _dimsplit_reason(v: Variant) -> str | None:
 
 def _dimsplit_t_reason(v: Variant) -> str | None:
     """Why a dimsplit_t variant cannot be built (the rules of MlaDimSplitTConfig's static_asserts)."""
-    if v.dtype != "bf16":
-        return f"schedule dimsplit_t reads a bf16 KV cache (fp8_e4m3: schedule dimsplit), got dtype {v.dtype}"
+    if v.dtype == "fp8_e4m3" and v.block_n != 32:
+        return (f"schedule dimsplit_t with dtype fp8_e4m3 copies the e4m3 rows in 32-token stages: block_n must be 32, "
+                f"got {v.block_n}")
     if v.load_width != 128:
         return f"schedule dimsplit_t loads with 16-byte cp.async: load_width must be 128, got {v.load_width}"
     if v.kv_lora_rank != 512 or v.qk_rope_head_dim != 64:

@@ -388,9 +388,10 @@ def test_fp8_sweep_columns_and_problem():
 
     assert run_bench._parse(["--fp8"]).fp8 and not run_bench._parse([]).fp8
     for H, q in ((8, 9), (16, 9), (8, 1)):
-        vs = parse_spec(run_bench.fp8_tuning_spec(H, q, 1)).variants()
-        ok = [v for v in vs if infeasible_reason(v) is None]
-        assert ok and all(v.dtype == "fp8_e4m3" and v.schedule == "dimsplit" for v in ok), (H, q)
+        for fn, schedule in ((run_bench.fp8_tuning_spec, "dimsplit"), (run_bench.dimsplit_t_fp8_tuning_spec, "dimsplit_t")):
+            vs = parse_spec(fn(H, q, 1)).variants()
+            ok = [v for v in vs if infeasible_reason(v) is None]
+            assert ok and all(v.dtype == "fp8_e4m3" and v.schedule == schedule for v in ok), (H, q, schedule)
     assert 7 in run_bench.tuning_spec(8, 9, 1)["num_warps"]  # rt5 + 2: two producer warps
     p = dict(kv_cache=torch.randn(10, 1, 576).to(torch.bfloat16), q=torch.zeros(2))
     pf = run_bench.fp8_problem(p)
@@ -399,7 +400,7 @@ def test_fp8_sweep_columns_and_problem():
     (v,) = [v for v in parse_spec(run_bench.fp8_tuning_spec(8, 9, 1)).variants() if v.stages == 3]
     r = dict(H=8, q_len=9, bs=1, ctx=65536, page_size=1, mlagen_uri=v.uri.replace("fp8e4m3", "bf16"),
              mlagen_us=84.0, gbs=900.0, frac_floor=0.21, floor_us=18.1, fp8_uri=v.uri, fp8_us=70.0,
-             fp8_over_bf16_dimsplit=70.0 / 84.0, fp8_frac_floor=0.13, fp8_floor_us=9.1)
+             fp8_schedule="dimsplit", fp8_over_bf16_schedule=70.0 / 84.0, fp8_frac_floor=0.13, fp8_floor_us=9.1)
     text = run_bench._fmt(r)
     assert "| fp8 lw128_bn32_w8_rt5_st3_dimsplit_fp8    70.0 us (0.83x bf16 dimsplit) 0.13 of fp8 floor (9.1 us)" in text
 

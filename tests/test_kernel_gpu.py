@@ -34,6 +34,24 @@ SPECS = {
                  dict(name="gpu_fp8_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
                       schedule="dimsplit", row_tiles=1, block_n=32, stages=3, num_warps=4, load_width=128,
                       dtype="fp8_e4m3")],
+    # e4m3 KV cache on dimsplit_t: the producer copies e4m3 rows into a 2-stage ring, the output warps dequantize
+    # each tile into a 3-stage bf16 ring; page sizes 1 / 64, fixed and auto NSPLIT
+    "k2_dst_fp8": dict(name="gpu_k2_dst_fp8", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
+                       schedule="dimsplit_t", block_n=32, stages=2, row_tiles=3, num_warps=8, load_width=128,
+                       mask="tree", dtype="fp8_e4m3"),
+    # dimsplit_t fp8 at other row counts: H16 (2 clusters), H1 q5 causal (one score warp), H64 q2 no mask, q_len 1
+    "dst_fp8_rows": [dict(name="gpu_dst_fp8_h16", heads_per_rank=16, q_len=9, page_size=16, nsplit="auto", mask="tree",
+                          schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=2, load_width=128,
+                          dtype="fp8_e4m3"),
+                     dict(name="gpu_dst_fp8_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
+                          schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=2, load_width=128,
+                          dtype="fp8_e4m3"),
+                     dict(name="gpu_dst_fp8_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
+                          schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=2, load_width=128,
+                          dtype="fp8_e4m3"),
+                     dict(name="gpu_dst_fp8_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
+                          schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=2, load_width=128,
+                          dtype="fp8_e4m3")],
     # dimsplit with two producer warps (num_warps = row_tiles + 2, cp.async loader): each loads half of a stage
     "k2_ds2p": [dict(name="gpu_k2_ds2p", heads_per_rank=8, q_len=9, page_size=[1, 64], nsplit=["auto", 7],
                      schedule="dimsplit", block_n=32, stages=[2, 3], row_tiles=5, num_warps=7, load_width=128,
@@ -159,16 +177,25 @@ def test_fp8_full_case_set(kernels):
         _check(k, quick=i > 0)
 
 
-def test_fp8_equals_bf16_on_the_dequantized_cache(kernels):
+def test_dimsplit_t_fp8_full_case_set(kernels):
+    ks = kernels["k2_dst_fp8"]
+    assert {(k.variant.schedule, k.variant.dtype) for k in ks} == {("dimsplit_t", "fp8_e4m3")} and len(ks) == 4
+    for i, k in enumerate(ks):
+        _check(k, quick=i > 0)
+
+
+@pytest.mark.parametrize("fp8_key, bf16_key, stages", [("k2_fp8", "k2_ds", 3), ("k2_dst_fp8", "k2_dst", None)])
+def test_fp8_equals_bf16_on_the_dequantized_cache(kernels, fp8_key, bf16_key, stages):
     """The e4m3 kernel converts each stage exactly and then runs the bf16 kernel's math: on the same
-    bytes, dequantized to bf16 for the bf16 build of the same tile, the outputs are bit-identical."""
+    bytes, dequantized to bf16 for the bf16 build of the same tile, the outputs are bit-identical (dimsplit,
+    and dimsplit_t against its bf16 build of any ring depth: the ring does not change the arithmetic)."""
     from mlagen.cases import make_fp8_problem
     from mlagen.reference import dequantize_e4m3
 
-    f8 = next(k for k in kernels["k2_fp8"] if k.variant.nsplit == "auto" and k.variant.page_size == 1
-              and k.variant.stages == 3)
-    bf = next(k for k in kernels["k2_ds"] if k.variant.nsplit == "auto" and k.variant.page_size == 1
-              and k.variant.stages == 3 and k.variant.load_width == 128)
+    f8 = next(k for k in kernels[fp8_key] if k.variant.nsplit == "auto" and k.variant.page_size == 1
+              and (stages is None or k.variant.stages == stages))
+    bf = next(k for k in kernels[bf16_key] if k.variant.nsplit == "auto" and k.variant.page_size == 1
+              and k.variant.stages == (stages or 4) and k.variant.load_width == 128)
     p = make_fp8_problem(f8.variant, [9, 40, 4099, 65536], special=True, device="cuda")
     deq = dequantize_e4m3(p.kv_cache).to(torch.bfloat16)  # NaN bytes stay NaN (never visible)
     outs = []
@@ -204,7 +231,7 @@ def test_dimsplit_equals_rowblock(kernels, key):
 
 
 @pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows",
-                                 "k2_ds2p", "fp8_rows", "dst_rows"])
+                                 "k2_ds2p", "fp8_rows", "dst_rows", "dst_fp8_rows"])
 def test_other_shapes(kernels, key):
     for k in kernels[key]:
         _check(k, quick=True)

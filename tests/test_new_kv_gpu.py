@@ -183,7 +183,14 @@ def test_new_kv_bad_input_raises_before_launch(kernels):
     assert torch.equal(_bits(test_pool), _bits(before)), "a rejected call must not write the cache"
 
 
-def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3():
+_FP8_NEW_KV_TILES = {  # the e4m3 schedules: dimsplit (converter warps), dimsplit_t (the output warps convert)
+    "dimsplit": dict(row_tiles=5, stages=3, num_warps=8),
+    "dimsplit_t": dict(row_tiles=3, stages=2, num_warps=8),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(_FP8_NEW_KV_TILES))
+def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3(schedule):
     """On an e4m3 cache (dtype fp8_e4m3) the draft tokens come from k_new in bf16 (not rounded to e4m3:
     SGLang's Triton verify reads them from k the same way) and are stored quantized as SGLang's write
     casts them (torch float8_e4m3fn: round to nearest even); the prefix is the cache's e4m3 values."""
@@ -192,8 +199,8 @@ def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3():
     from mlagen.ops import VerifyKernel
     from mlagen.reference import dequantize_e4m3, mla_verify_reference
 
-    spec = dict(name="gpu_newkv_fp8", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
-                schedule="dimsplit", row_tiles=5, block_n=32, stages=3, num_warps=8, load_width=128, dtype="fp8_e4m3")
+    spec = dict(name=f"gpu_newkv_fp8_{schedule}", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
+                schedule=schedule, block_n=32, load_width=128, dtype="fp8_e4m3", **_FP8_NEW_KV_TILES[schedule])
     (k,) = [VerifyKernel(b.variant, b.so_path) for b in build_variants(spec)]
     v = k.variant
     for lens in ([v.q_len + 1000, v.q_len + 37, 0, v.q_len], [v.q_len + 20_000]):

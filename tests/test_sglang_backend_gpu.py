@@ -206,6 +206,11 @@ def kernels(gpu_arch):
                           mask=["tree", "causal"], page_size=list(PAGE_SIZES), nsplit="auto", load_width=128,
                           block_n=32, stages=4, schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt),
                           arch=[arch]))
+        # e4m3 pools on dimsplit_t (the producer copies e4m3 rows, the output warps dequantize them)
+        specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-dst-fp8-h{H}", heads_per_rank=H, q_len=Q_TREE,
+                          mask="tree", page_size=list(PAGE_SIZES), nsplit="auto", load_width=128, block_n=32,
+                          stages=2, schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt),
+                          dtype="fp8_e4m3", arch=[arch]))
     out = {}
     for spec in specs:
         for bv in build_variants(spec):
@@ -468,6 +473,16 @@ def test_fp8_kv_pool_matches_triton(sgl, kernels, role, H, ps, draft):
     bf16 bound and no further from it than Triton; the rows at out_cache_loc stored as SGLang's cast
     stores them, padded rows 0."""
     _parity(sgl, kernels, role, H, ps, draft, REPLAYS, kv_fp8=True)
+
+
+DST_FP8_CASES = [(H, ps) for H in H_LIST for ps in PAGE_SIZES]
+
+
+@pytest.mark.parametrize("H, ps", DST_FP8_CASES, ids=[f"verify-h{h}-ps{p}-tree" for h, p in DST_FP8_CASES])
+def test_dimsplit_t_fp8_kv_pool_matches_triton(sgl, kernels, H, ps):
+    """--kv-cache-dtype fp8_e4m3 with the dimsplit_t fp8_e4m3 variant (tree target verify): as
+    test_fp8_kv_pool_matches_triton, eager and replayed beside SGLang's Triton backend on the same e4m3 pool."""
+    _parity(sgl, kernels, "verify", H, ps, "tree", REPLAYS, kv_fp8=True, schedule="dimsplit_t")
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)

@@ -253,12 +253,36 @@ def test_fp8_e4m3_dtype_uri_and_feasibility():
     assert "shared memory" in infeasible_reason(dataclasses.replace(v, stages=4))  # 108,976 B > 101,376
     assert "load_width must be 128" in infeasible_reason(dataclasses.replace(v, load_width="bulk"))
     assert "num_warps must be row_tiles + 3 = 8, got 7" in infeasible_reason(dataclasses.replace(v, num_warps=7))
-    assert "needs schedule dimsplit" in infeasible_reason(dataclasses.replace(v, schedule="rowblock", row_tiles=1,
+    assert "needs schedule dimsplit or dimsplit_t" in infeasible_reason(dataclasses.replace(v, schedule="rowblock", row_tiles=1,
                                                                                stages=2))
     (bf16,) = parse_spec(dict(base, dtype="bf16")).variants()
     assert bf16.uri == v.uri.replace("fp8e4m3", "bf16") and template_context(bf16)["kv_fp8"] == 0
     with pytest.raises(SpecError, match="dtype"):
         parse_spec(dict(base, dtype="fp8_e5m2"))
+
+
+def test_fp8_e4m3_on_dimsplit_t():
+    """dtype fp8_e4m3 on dimsplit_t (MlaDimSplitTConfig with kKvFp8): an e4m3 ring of `stages` stages beside a
+    3-stage bf16 ring the output warps fill; the resource model matches the C++ sizes, the uri carries the dtype,
+    only the 2-stage ring fits sm_120's 101,376 B, block_n must be 32; other dtypes' schedules say where fp8 runs."""
+    from mlagen.codegen import template_context
+    from mlagen.feasibility import infeasible_reason, resources
+
+    base = dict(heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", load_width=128, block_n=32, stages=2,
+                row_tiles=3, num_warps=8, mask="tree", schedule="dimsplit_t", dtype="fp8_e4m3")
+    (v,) = parse_spec(base).variants()
+    assert v.uri.endswith("_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90") and Variant.from_uri(v.uri) == v
+    assert template_context(v)["kv_fp8"] == 1 and infeasible_reason(v) is None
+    # bf16 ring 3 x 32 x 296 x 2 + e4m3 ring 2 x 32 x 304 + one exchange buffer 9,216 + P^T 2 x 32 x 72 x 2
+    # + factors 576 + row sums 288 + tree rows 72 + 21 mbarriers (full / empty 6, exchange 3, P 4, xempty 3, tree 1,
+    # full8 / empty8 4)
+    assert resources(v).smem_bytes == 56832 + 19456 + 9216 + 9216 + 576 + 288 + 72 + 21 * 8 == 95824
+    assert "shared memory" in infeasible_reason(dataclasses.replace(v, stages=3))  # 105,568 B > 101,376
+    assert "block_n must be 32" in infeasible_reason(dataclasses.replace(v, block_n=16))
+    (bf16,) = parse_spec(dict(base, dtype="bf16", stages=4)).variants()
+    assert resources(bf16).smem_bytes == 95296 and template_context(bf16)["kv_fp8"] == 0
+    assert "schedule dimsplit or dimsplit_t" in infeasible_reason(
+        dataclasses.replace(v, schedule="rowblock", row_tiles=1, num_warps=8))
 
 
 def test_fp8_e4m3_at_two_row_tiles_is_one_warp_per_tile():

@@ -401,6 +401,101 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
   }
 }
 
+// e4m3 KV cache: the producer lane work of dimsplit / dimsplit_t (one warp). 16-byte cp.async of this CTA's 288
+// e4m3 bytes of each token into the e4m3 ring [kStages][kBlockN][kFp8RowBytes] (lanes 0-15 / 16-31: the latent
+// half of two tokens per instruction; then 16 tokens' rope halves); each lane's copies complete on full8[stage].
+// Draft rows taken from k_new (bf16) and tokens past kv_len are not loaded: the converters fill them. With
+// Cfg::kL2PrefetchTiles > 0, each lane first asks L2 for its token's lines of the tile that many ahead (its
+// 256-byte latent half and its rope half), as dimsplit_produce_bf16 does.
+template <class Cfg>
+__device__ __forceinline__ void dimsplit_produce_fp8(const MlaVerifyParams& p, const int32_t* page_row, int kv_len,
+                                                     int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
+                                                     int lane, uint8_t* fp8_smem, uint64_t* full8_bar,
+                                                     uint64_t* empty8_bar) {
+  const uint8_t* kv_bytes = reinterpret_cast<const uint8_t*>(p.kv);
+  auto slot_of = [&](int tile) -> int64_t {  // byte address of the cache row, kNoSlot when not loaded
+    const int pos = tile * Cfg::kBlockN + lane;
+    if (lane >= Cfg::kBlockN || pos >= kv_len || (p.k_new != nullptr && pos >= prefix_len)) return kNoSlot;
+    const int64_t slot = entry_slot<Cfg::kPageSize>(p, table_entry<Cfg::kPageSize>(p, page_row, pos), pos);
+    return reinterpret_cast<int64_t>(kv_bytes + slot * p.kv_stride_slot);
+  };
+  constexpr int kPf = Cfg::kL2PrefetchTiles;
+  int64_t slot = slot_of(tile_begin);
+  int64_t slot_pf = kPf > 0 && num_tiles > kPf ? slot_of(tile_begin + kPf) : kNoSlot;
+  for (int i = 0; i < num_tiles; ++i) {
+    const int tile = tile_begin + i;
+    const int stage = i % Cfg::kStages;
+    if constexpr (kPf > 0) {
+      if (slot_pf != kNoSlot) {
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(slot_pf);
+#pragma unroll
+        for (int c = 0; c < Cfg::kLatentHalf / 128; ++c) ptx::prefetch_l2(row + rank * Cfg::kLatentHalf + c * 128);
+        ptx::prefetch_l2(row + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf);
+      }
+      slot_pf = i + kPf + 1 < num_tiles ? slot_of(tile + kPf + 1) : kNoSlot;
+    }
+    if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty8_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
+    const int left = kv_len - tile * Cfg::kBlockN;
+    const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
+    uint8_t* dst_stage = fp8_smem + stage * Cfg::kFp8StageBytes;
+    for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 2) {  // latent: 16 chunks per token
+      const int n = n0 + lane / 16;
+      const int c = lane % 16;
+      const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+      if (n < valid && sn != kNoSlot) {
+        ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + c * 16,
+                                reinterpret_cast<const uint8_t*>(sn) + rank * Cfg::kLatentHalf + c * 16, true);
+      }
+    }
+    for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 16) {  // rope: 2 chunks per token
+      const int n = n0 + lane / 2;
+      const int c = lane % 2;
+      const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
+      if (n < valid && sn != kNoSlot) {
+        ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + Cfg::kLatentHalf + c * 16,
+                                reinterpret_cast<const uint8_t*>(sn) + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 16,
+                                true);
+      }
+    }
+    ptx::cp_async_mbarrier_arrive_noinc(full8_bar + stage);  // this lane's copies complete on full8[stage]
+    slot = i + 1 < num_tiles ? slot_of(tile + 1) : kNoSlot;
+  }
+}
+
+// e4m3 KV cache: this thread's share (thread ct of nthreads) of converting one e4m3 stage (src, the tile of
+// positions [pos0, pos0 + kBlockN)) into a bf16 stage of the consumers' ring (dst), 16 values per thread-step:
+// draft rows (k_new) copied from k_new's bf16, tokens past kv_len written as 0, the rest dequantized exactly
+// (e4m3x16_to_bf16x16). The caller orders the stage's reads (full8) and writes (empty of the bf16 stage).
+template <class Cfg>
+__device__ __forceinline__ void dimsplit_convert_fp8_tile(const MlaVerifyParams& p, int b, int q_len, int pos0,
+                                                          int kv_len, int prefix_len, uint32_t rank,
+                                                          const uint8_t* src_stage, __nv_bfloat16* dst_stage, int ct,
+                                                          int nthreads) {
+  constexpr int kChunksPerRow = Cfg::kDimCta / 16;  // 16 latent + 2 rope chunks of 16 values
+  for (int c = ct; c < Cfg::kBlockN * kChunksPerRow; c += nthreads) {
+    const int n = c / kChunksPerRow;
+    const int ch = c % kChunksPerRow;
+    const int pos = pos0 + n;
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+    if (pos < kv_len) {
+      if (p.k_new != nullptr && pos >= prefix_len) {
+        const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
+                                                : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
+                                                      (ch - Cfg::kLatentSteps) * 16;
+        const __nv_bfloat16* g =
+            p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
+        lo = *reinterpret_cast<const uint4*>(g);
+        hi = *reinterpret_cast<const uint4*>(g + 8);
+      } else {
+        e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16), lo, hi);
+      }
+    }
+    uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
+    d[0] = lo;
+    d[1] = hi;
+  }
+}
+
 template <class Cfg>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_kernel(const MlaVerifyParams p) {
@@ -462,53 +557,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const int32_t* page_row = request_page_row(p, b);
 
   if (Cfg::kKvFp8 && warp == Cfg::kProducerWarp) {
-    // ---- fp8 producer: 16-byte cp.async of this CTA's 288 e4m3 bytes of each token into the e4m3 ring
-    // (lanes 0-15 / 16-31: the latent half of two tokens per instruction; then 16 tokens' rope halves).
-    // Draft rows taken from k_new (bf16) and tokens past kv_len are not loaded: the converters fill them.
     if constexpr (Cfg::kKvFp8) {
-      const uint8_t* kv_bytes = reinterpret_cast<const uint8_t*>(p.kv);
-      auto slot_of = [&](int tile) -> int64_t {  // byte address of the cache row, kNoSlot when not loaded
-        const int pos = tile * Cfg::kBlockN + lane;
-        if (lane >= Cfg::kBlockN || pos >= kv_len || (p.k_new != nullptr && pos >= prefix_len)) return kNoSlot;
-        const int64_t slot = entry_slot<Cfg::kPageSize>(p, table_entry<Cfg::kPageSize>(p, page_row, pos), pos);
-        return reinterpret_cast<int64_t>(kv_bytes + slot * p.kv_stride_slot);
-      };
-      int64_t slot = slot_of(tile_begin);
-      for (int i = 0; i < num_tiles; ++i) {
-        const int tile = tile_begin + i;
-        const int stage = i % Cfg::kStages;
-        if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty8_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
-        const int left = kv_len - tile * Cfg::kBlockN;
-        const int valid = left < Cfg::kBlockN ? left : Cfg::kBlockN;
-        uint8_t* dst_stage = fp8_smem + stage * Cfg::kFp8StageBytes;
-        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 2) {  // latent: 16 chunks per token
-          const int n = n0 + lane / 16;
-          const int c = lane % 16;
-          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
-          if (n < valid && sn != kNoSlot) {
-            ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + c * 16,
-                                    reinterpret_cast<const uint8_t*>(sn) + rank * Cfg::kLatentHalf + c * 16, true);
-          }
-        }
-        for (int n0 = 0; n0 < ((kAblate & kAblateLoads) ? 0 : valid); n0 += 16) {  // rope: 2 chunks per token
-          const int n = n0 + lane / 2;
-          const int c = lane % 2;
-          const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
-          if (n < valid && sn != kNoSlot) {
-            ptx::cp_async_zfill<16>(dst_stage + n * Cfg::kFp8RowBytes + Cfg::kLatentHalf + c * 16,
-                                    reinterpret_cast<const uint8_t*>(sn) + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 16,
-                                    true);
-          }
-        }
-        ptx::cp_async_mbarrier_arrive_noinc(full8_bar + stage);  // this lane's copies complete on full8[stage]
-        slot = i + 1 < num_tiles ? slot_of(tile + 1) : kNoSlot;
-      }
+      dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem, full8_bar,
+                                empty8_bar);
     }
   } else if (Cfg::kKvFp8 && warp >= Cfg::kConverterWarp && warp < Cfg::kConverterWarp + Cfg::kConverterWarps) {
-    // ---- fp8 converters: e4m3 stage i -> bf16 stage i % kConsStages, 16 values per thread-step; draft rows
-    // (k_new) copied from k_new's bf16, tokens past kv_len written as 0.
+    // ---- fp8 converters: e4m3 stage i -> bf16 stage i % kConsStages (dimsplit_convert_fp8_tile)
     if constexpr (Cfg::kKvFp8) {
-      constexpr int kChunksPerRow = Cfg::kDimCta / 16;  // 16 latent + 2 rope chunks of 16 values
       constexpr int kConvThreads = 32 * Cfg::kConverterWarps;
       const int ct = tid - Cfg::kConverterWarp * 32;
       for (int i = 0; i < num_tiles; ++i) {
@@ -518,31 +573,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         if (i >= Cfg::kConsStages) {
           ptx::mbarrier_wait_parity(empty_bar + cs, static_cast<uint32_t>(i / Cfg::kConsStages - 1) & 1u);
         }
-        const int pos0 = (tile_begin + i) * Cfg::kBlockN;
-        const uint8_t* src_stage = fp8_smem + st8 * Cfg::kFp8StageBytes;
-        __nv_bfloat16* dst_stage = kv_smem + cs * Cfg::kStageElems;
-        for (int c = ct; c < Cfg::kBlockN * kChunksPerRow; c += kConvThreads) {
-          const int n = c / kChunksPerRow;
-          const int ch = c % kChunksPerRow;
-          const int pos = pos0 + n;
-          uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-          if (pos < kv_len) {
-            if (p.k_new != nullptr && pos >= prefix_len) {
-              const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
-                                                      : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
-                                                            (ch - Cfg::kLatentSteps) * 16;
-              const __nv_bfloat16* g =
-                  p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
-              lo = *reinterpret_cast<const uint4*>(g);
-              hi = *reinterpret_cast<const uint4*>(g + 8);
-            } else {
-              e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16), lo, hi);
-            }
-          }
-          uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
-          d[0] = lo;
-          d[1] = hi;
-        }
+        dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
+                                       fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems, ct,
+                                       kConvThreads);
         ptx::mbarrier_arrive(empty8_bar + st8);  // this thread is done reading the e4m3 stage
         ptx::mbarrier_arrive(full_bar + cs);     // and has written its part of the bf16 stage
       }

@@ -61,11 +61,15 @@
 namespace mlagen {
 
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
-          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120>
+          int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120,
+          bool kKvFp8_ = false>
 struct MlaDimSplitTConfig {
   static constexpr bool kDimSplit = true;    // a two-CTA cluster per (row block, split, request)
   static constexpr bool kTransposed = true;  // S^T = K Q^T, O^T = V^T P^T (this header)
-  static constexpr bool kKvFp8 = false;
+  // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages; the output warps dequantize each tile into
+  // the bf16 ring of kConvStages stages that the score and output warps read, in their wait for P^T
+  // (dimsplit_convert_fp8_tile; docs/perf-notes.md, "fp8 e4m3 on dimsplit_t").
+  static constexpr bool kKvFp8 = kKvFp8_;
   static constexpr int kClusterCtas = 2;
   static constexpr int kHeads = kHeads_;
   static constexpr int kQLenMax = kQLenMax_;
@@ -79,11 +83,16 @@ struct MlaDimSplitTConfig {
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsStages = kStages;  // stages of the ring the consumers read (ring_sub_tile)
+  // fp8: bf16 stages the output warps fill. A tile is read by the score warps (K of step j) and then by the output
+  // warps (V, during the score warps' step j + 2), so three tiles are live at once: tile j + 3 is converted into
+  // tile j's stage right after the output warps' step j, one score step before it is needed.
+  static constexpr int kConvStages = 3;
+  static constexpr int kConsStages = kKvFp8 ? kConvStages : kStages;  // stages of the ring the consumers read
   // The producer prefetches into L2 the tile kStages ahead of the one it copies: a stage is held by the score
   // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
-  // one step before the score warps need it, less than the DRAM latency (perf-notes v12b).
-  static constexpr int kL2PrefetchTiles = kStages;
+  // one step before the score warps need it, less than the DRAM latency (perf-notes v12b). fp8: the tile
+  // kStages + 2 ahead (the e4m3 ring is copied about kConvStages - 1 steps before the score warps need a tile).
+  static constexpr int kL2PrefetchTiles = kKvFp8 ? kStages + 2 : kStages;
   // The producer zero-fills the rows past kv_len of a request's last tile (src-size 0 copies) instead of the
   // prologue zeroing the whole ring (75 KB at 4 stages) before the first copy.
   static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0;
@@ -124,12 +133,17 @@ struct MlaDimSplitTConfig {
   static constexpr int kMTilesS = kSubTile / 16;
 
   // Shared memory: the KV ring (rows padded by 16 B: 592 B = 37 x 16 B, so the 8 rows of an ldmatrix fall in
-  // distinct bank groups), the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats],
+  // distinct bank groups), fp8: the e4m3 ring, the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats],
   // the P^T buffers [kPBufs][kSubTile tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
   // rescale factors [kPBufs][kRowsPerCta], the final row sums [kRowsPerCta], then the mbarriers.
   static constexpr int kKvRowElems = kDimCta + 8;
   static constexpr int kStageElems = kBlockN * kKvRowElems;
-  static constexpr int kSmemKv = kStages * kStageElems * 2;
+  static constexpr int kSmemKv = kConsStages * kStageElems * 2;  // the bf16 ring the score and output warps read
+  // fp8: e4m3 stages of kBlockN rows of this CTA's 288 bytes, padded by 16 B (304 = 19 x 16 B), after the bf16 ring
+  static constexpr int kFp8RowBytes = kDimCta + 16;
+  static constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;
+  static constexpr int kSmemFp8 = kKvFp8 ? kStages * kFp8StageBytes : 0;
+  static constexpr int kFp8Bars = kKvFp8 ? 2 * kStages : 0;  // full8, empty8 [kStages]
   static constexpr int kXchgFloatsPerWarp = kMTilesS * kNTilesS * 32 * 4;
   // Two P^T buffers: a score warp writes P^T of sub-tile j once the output warps are done with j - 2, so while
   // it computes j + 1 the output warps may still hold j - 2 .. j (perf-notes v11: three buffers measured the
@@ -149,17 +163,20 @@ struct MlaDimSplitTConfig {
   // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
   // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
   static constexpr int kXchgBufBytes = kScoreWarps * kXchgFloatsPerWarp * 4;
-  static constexpr int kSmemWithTwoXBufs = kSmemKv + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
-                                           (2 * kStages + 2 * kScoreWarps + 2 * kPBufs + (kTreeRowsSmem ? 1 : 0)) * 8;
+  static constexpr int kSmemWithTwoXBufs = kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats +
+                                           kSmemTree + (2 * kConsStages + kFp8Bars + 2 * kScoreWarps + 2 * kPBufs +
+                                                        (kTreeRowsSmem ? 1 : 0)) * 8;
   static constexpr int kXBufs = kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
-  // full, empty [kStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]; with one exchange buffer,
+  // full, empty [kConsStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]; with one exchange buffer,
   // xempty [kScoreWarps] (the peer's warp has read this warp's last send); with kTreeRowsSmem, tree (the rows are
-  // in shared memory)
+  // in shared memory); fp8: full8, empty8 [kStages] (the e4m3 ring)
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
-  static constexpr int kNumBars = 2 * kStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars + (kTreeRowsSmem ? 1 : 0);
+  static constexpr int kNumBars =
+      2 * kConsStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars + (kTreeRowsSmem ? 1 : 0) + kFp8Bars;
   static constexpr int kSmemBars = kNumBars * 8;
-  static constexpr int kSmemBytes = kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars;
+  static constexpr int kSmemBytes =
+      kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars + kSmemFp8;
 
   // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
   static constexpr bool kBulkLoad = false;
@@ -186,6 +203,8 @@ struct MlaDimSplitTConfig {
   static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
   static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
   static_assert(kStages >= 2, "need at least two pipeline stages");
+  static_assert(!kKvFp8 || kBlockN == 32, "dimsplit_t fp8: block_n 32 (the e4m3 producer copies two tokens' latent "
+                                          "halves per instruction, 16 tokens' rope halves)");
   static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
@@ -197,9 +216,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
-  float* xchg_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);
-  __nv_bfloat16* pt_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg);
-  float* alpha_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv + Cfg::kSmemXchg + Cfg::kSmemP);
+  uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv;  // fp8: [kStages][kBlockN][kFp8RowBytes] (16-byte aligned rows)
+  unsigned char* smem_rest = smem_raw + Cfg::kSmemKv + Cfg::kSmemFp8;
+  float* xchg_smem = reinterpret_cast<float*>(smem_rest);
+  __nv_bfloat16* pt_smem = reinterpret_cast<__nv_bfloat16*>(smem_rest + Cfg::kSmemXchg);
+  float* alpha_smem = reinterpret_cast<float*>(smem_rest + Cfg::kSmemXchg + Cfg::kSmemP);
   float* lsum_smem = alpha_smem + Cfg::kPBufs * Cfg::kRowsPerCta;  // [kRowsPerCta]: the final row sums
   int64_t* tree_smem = reinterpret_cast<int64_t*>(lsum_smem + Cfg::kRowsPerCta);  // [kQLenMax] with kTreeRowsSmem
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(tree_smem) + Cfg::kSmemTree);
@@ -209,6 +230,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* pempty_bar = pfull_bar + Cfg::kPBufs;                    // [kPBufs]: the output warps are done
   uint64_t* xempty_bar = pempty_bar + Cfg::kPBufs;  // [kXEmptyBars]: the peer read this warp's last scores
   uint64_t* tree_bar = xempty_bar + Cfg::kXEmptyBars;  // kTreeRowsSmem: tree_smem holds the request's rows
+  uint64_t* full8_bar = tree_bar + (Cfg::kTreeRowsSmem ? 1 : 0);  // fp8 [kStages]: the producer's copies landed
+  uint64_t* empty8_bar = full8_bar + (Cfg::kKvFp8 ? Cfg::kStages : 0);  // fp8 [kStages]: the output warps read it
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -235,9 +258,16 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   const bool masked_split = w.tile_end * Cfg::kBlockN > prefix_len;
 
   if (tid == 0) {
-    for (int st = 0; st < Cfg::kStages; ++st) {
-      ptx::mbarrier_init(full_bar + st, 32);  // the producer's lanes (cp.async.mbarrier.arrive.noinc)
+    for (int st = 0; st < Cfg::kConsStages; ++st) {
+      // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
+      ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : 32);
       ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
+    }
+    if constexpr (Cfg::kKvFp8) {
+      for (int st = 0; st < Cfg::kStages; ++st) {
+        ptx::mbarrier_init(full8_bar + st, 32);               // the producer's lanes (cp.async)
+        ptx::mbarrier_init(empty8_bar + st, Cfg::kOutWarps);  // the output warps' lane 0
+      }
     }
     // exchange: one arrival (the receiving warp's lane 0, with expect_tx) + the peer's st.async bytes
     for (int i = 0; i < Cfg::kXBufs * Cfg::kScoreWarps; ++i) ptx::mbarrier_init(xfull_bar + i, 1);
@@ -258,15 +288,20 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   auto release_stage = [&](int j) {  // this warp is done reading the stage of sub-tile j (after its last one)
     if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {
       __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kStages);
+      if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
     }
   };
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
   constexpr uint32_t kStatThreads = Cfg::kConsumerWarps * 32;
 
   if (warp == Cfg::kProducerWarp) {
-    dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
-                               full_bar, empty_bar);
+    if constexpr (Cfg::kKvFp8) {
+      dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem,
+                                full8_bar, empty8_bar);
+    } else {
+      dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
+                                 full_bar, empty_bar);
+    }
   } else if (warp < Cfg::kScoreWarps) {
     // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
     const int sw = warp;
@@ -541,6 +576,29 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // (tokens 8-15, rows n0), (tokens 0-7, rows n0 + 8), (tokens 8-15, rows n0 + 8).
     const int v_tok = lane % 8 + 8 * (lane / 16), v_dim = 8 * ((lane / 8) % 2);
     const int p_tok = lane % 8 + 8 * ((lane / 8) % 2), p_row = 8 * (lane / 16);
+    // fp8: tile i from the e4m3 ring into bf16 stage i % kConvStages, shared by the 4 output warps; the stage's
+    // previous tile (i - kConvStages) must be released by every consumer warp first.
+    auto convert_tile = [&](int i) {
+      if constexpr (Cfg::kKvFp8) {
+        const int st8 = i % Cfg::kStages;
+        const int cs = i % Cfg::kConsStages;
+        ptx::mbarrier_wait_parity(full8_bar + st8, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+        if (i >= Cfg::kConsStages) {
+          ptx::mbarrier_wait_parity(empty_bar + cs, static_cast<uint32_t>(i / Cfg::kConsStages - 1) & 1u);
+        }
+        dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
+                                       fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
+                                       ow * 32 + lane, Cfg::kOutWarps * 32);
+        __syncwarp();
+        if (lane == 0) {
+          ptx::mbarrier_arrive(empty8_bar + st8);  // release: this warp's reads of the e4m3 stage are done
+          ptx::mbarrier_arrive(full_bar + cs);     // release: its part of the bf16 stage is written
+        }
+      }
+    };
+    if constexpr (Cfg::kKvFp8) {
+      for (int i = 0; i < (num_sub < Cfg::kConsStages ? num_sub : Cfg::kConsStages); ++i) convert_tile(i);
+    }
     if constexpr (Cfg::kTreeRowsSmem) {  // the request's tree rows for the score warps' masked steps (idle until P)
       if (ow == 0 && masked_split) {
         for (int qi = lane; qi < q_len; qi += 32) tree_smem[qi] = request_tree_row(p, b, qi);
@@ -604,6 +662,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);  // P buffer free for sub-tile j + kPBufs
       release_stage(j);
+      if constexpr (Cfg::kKvFp8) {
+        if (j + Cfg::kConsStages < num_sub) convert_tile(j + Cfg::kConsStages);  // into the stage j just left
+      }
     }
     // ---- epilogue: normalized partial O^T of this warp's dims (scores warps' row sums), rows < live_rows
     ptx::named_barrier_sync(kStatBar, kStatThreads);
