@@ -113,7 +113,7 @@ def check_build(v: Variant, outputs: dict) -> tuple[dict, str | None]:
         s = summary.get(arch)
         if s is None:
             return {}, f"no ptxas report for {arch} in {outputs['log']}"
-        s = dict(s, smem_dynamic=dyn, smem=s["smem_static"] + dyn)
+        s = dict(s, smem_dynamic=dyn, smem=ptxas.block_smem(s, dyn))
         res[arch] = s
         if s["spill_stores"] or s["spill_loads"] or s["stack"]:
             return res, f"{arch}: {s['spill_stores']} B spill stores, {s['spill_loads']} B spill loads, {s['stack']} B stack"

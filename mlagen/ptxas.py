@@ -41,16 +41,32 @@ def parse_ptxas(log: str) -> dict[str, dict[str, dict[str, int]]]:
     return out
 
 
+# Kernels launched with the variant's dynamic shared memory (include/mlagen/mla_verify_launch.cuh: partial_kernel):
+# the partial kernel of each schedule. The combine and metadata kernels use static shared memory only.
+DYNAMIC_SMEM_KERNELS = ("mla_verify_partial_kernel", "mla_verify_dimsplit_kernel", "mla_verify_dimsplit_t_kernel")
+
+
 def summarize(report: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
-    """Per arch: the maximum over kernels of registers, static smem, stack and spill bytes."""
+    """Per arch: the maximum over kernels of registers, static smem, stack and spill bytes, and
+    ``smem_static_partial``: the largest static smem of a kernel that also takes the dynamic bytes
+    (DYNAMIC_SMEM_KERNELS), so a block's total is that plus the dynamic size, not the other kernels' static smem."""
     out = {}
     for arch, kernels in report.items():
         s = dict(registers=0, smem_static=0, stack=0, spill_stores=0, spill_loads=0)
-        for r in kernels.values():
+        partial = 0
+        for name, r in kernels.items():
             for k in s:
                 s[k] = max(s[k], r[k])
-        out[arch] = s
+            if any(tag in name for tag in DYNAMIC_SMEM_KERNELS):
+                partial = max(partial, r["smem_static"])
+        out[arch] = dict(s, smem_static_partial=partial)
     return out
+
+
+def block_smem(summary: dict[str, int], dynamic: int) -> int:
+    """Shared memory per block of the largest launch of one arch's module: the partial kernel's static + dynamic bytes,
+    or another kernel's static bytes when larger (``summary``: one arch of :func:`summarize`)."""
+    return max(summary["smem_static_partial"] + dynamic, summary["smem_static"])
 
 
 def forbidden_in_ptx(ptx_text: str) -> list[str]:

@@ -54,7 +54,16 @@ ptxas info    : Compiling entry function '_Z3foov' for 'sm_90'
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 100 registers, used 1 barriers"""
     s = ptxas.summarize(ptxas.parse_ptxas(log))
-    assert s["sm_120"] == dict(registers=255, smem_static=1040, stack=8, spill_stores=4, spill_loads=4)
+    assert s["sm_120"] == dict(registers=255, smem_static=1040, stack=8, spill_stores=4, spill_loads=4,
+                               smem_static_partial=0)
+    # a block's shared memory: the partial kernel's static + dynamic bytes; the combine's static bytes are its own
+    two = """ptxas info    : Compiling entry function '_ZN6mlagen28mla_verify_dimsplit_t_kernelIXEEvNS_15MlaVerifyParamsE' for 'sm_120'
+ptxas info    : Used 242 registers, used 1 barriers, 16 bytes smem
+ptxas info    : Compiling entry function '_ZN6mlagen25mla_verify_combine_kernelILi8EEEvNS_15MlaVerifyParamsE' for 'sm_120'
+ptxas info    : Used 39 registers, used 1 barriers, 2832 bytes smem"""
+    s2 = ptxas.summarize(ptxas.parse_ptxas(two))["sm_120"]
+    assert s2["smem_static"] == 2832 and s2["smem_static_partial"] == 16
+    assert ptxas.block_smem(s2, 99232) == 99248 and ptxas.block_smem(s2, 1000) == 2832
     assert s["sm_90"]["registers"] == 100 and s["sm_90"]["spill_stores"] == 0
     assert ptxas.forbidden_in_ptx("\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {..};") == ["wgmma"]
     assert ptxas.forbidden_in_ptx("  @%p1 setmaxnreg.inc.sync.aligned.u32 240;") == ["setmaxnreg"]

@@ -302,7 +302,7 @@ def test_fp8_e4m3_at_two_row_tiles_is_one_warp_per_tile():
 
 def test_dimsplit_t_rules_and_uri():
     """dimsplit_t: score warps of 24 rows (the fewest clusters of <= 72 rows), num_warps = row_tiles + 5,
-    cp.async loader, block_n 32, bf16, kv 512 / rope 64; its uri round-trips and its row blocks are 24-row
+    cp.async loader, block_n 32 (16 for bf16 only), kv 512 / rope 64; its uri round-trips and its row blocks are 24-row
     multiples; the rowblock / dimsplit uris are unchanged."""
     from mlagen.feasibility import dimsplit_t_row_tiles, infeasible_reason, resources
 
@@ -320,7 +320,7 @@ def test_dimsplit_t_rules_and_uri():
     assert infeasible_reason(h16) is None and h16.row_blocks == 2
     for bad, text in ((dict(num_warps=7), "num_warps must be 8"), (dict(row_tiles=2), "row_tiles must be 3"),
                       (dict(load_width="bulk"), "load_width must be 128"), (dict(block_n=64), "block_n must be 16 or 32"),
-                      (dict(dtype="fp8_e4m3", num_warps=8), "bf16 KV cache"), (dict(stages=5), "shared memory"),
+                      (dict(dtype="fp8_e4m3", block_n=16), "block_n must be 32"), (dict(stages=5), "shared memory"),
                       (dict(kv_lora_rank=256), "kv_lora_rank 512")):
         (w,) = parse_spec(dict(base, **bad)).variants()
         assert text in (infeasible_reason(w) or ""), (bad, infeasible_reason(w))

@@ -215,7 +215,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
   ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
+  __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kConsStages][kBlockN][kKvRowElems]
   uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv;  // fp8: [kStages][kBlockN][kFp8RowBytes] (16-byte aligned rows)
   unsigned char* smem_rest = smem_raw + Cfg::kSmemKv + Cfg::kSmemFp8;
   float* xchg_smem = reinterpret_cast<float*>(smem_rest);
@@ -224,8 +224,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   float* lsum_smem = alpha_smem + Cfg::kPBufs * Cfg::kRowsPerCta;  // [kRowsPerCta]: the final row sums
   int64_t* tree_smem = reinterpret_cast<int64_t*>(lsum_smem + Cfg::kRowsPerCta);  // [kQLenMax] with kTreeRowsSmem
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(tree_smem) + Cfg::kSmemTree);
-  uint64_t* empty_bar = full_bar + Cfg::kStages;                                        // [kStages]
-  uint64_t* xfull_bar = empty_bar + Cfg::kStages;           // [kXBufs][kScoreWarps]: the peer's scores landed
+  uint64_t* empty_bar = full_bar + Cfg::kConsStages;                                    // [kConsStages]
+  uint64_t* xfull_bar = empty_bar + Cfg::kConsStages;       // [kXBufs][kScoreWarps]: the peer's scores landed
   uint64_t* pfull_bar = xfull_bar + Cfg::kXBufs * Cfg::kScoreWarps;  // [kPBufs]: P^T and factors written
   uint64_t* pempty_bar = pfull_bar + Cfg::kPBufs;                    // [kPBufs]: the output warps are done
   uint64_t* xempty_bar = pempty_bar + Cfg::kPBufs;  // [kXEmptyBars]: the peer read this warp's last scores
