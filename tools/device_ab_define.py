@@ -3,7 +3,7 @@ each value is its own module (``#define NAME value`` ahead of the rendered sourc
 for every build in alternating rounds (the median of the rounds is printed), so clock and machine drift
 fall on all builds alike; first, each build's output is compared bit for bit with the first's on one problem
 per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER,
-MLAGEN_DST_TREE_ROWS (include/mlagen/mla_verify_dimsplit_t.cuh), MLAGEN_BATCH_DIRECT
+MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT (include/mlagen/mla_verify_dimsplit_t.cuh), MLAGEN_BATCH_DIRECT
 (include/mlagen/mla_verify_batch.cuh), MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
 Several --define options are zipped: build i gets the i-th value of each (all must list as many values).
 
@@ -89,6 +89,8 @@ def main() -> int:
     for shape in shapes:
         pr = make_problem(v, [shape.context] * shape.batch_size, q_len=shape.q_len, device="cuda", seed=11,
                           poison_pool=False, name="ab")
+        if v.dtype == "fp8_e4m3":  # the e4m3 cache bench_kernel times (N(0, 1) rows cast on the device)
+            pr = dataclasses.replace(pr, kv_cache=pr.kv_cache.to(torch.float8_e4m3fn))
         outs = []
         for k in kernels:
             out = torch.full((pr.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -58,7 +58,62 @@
 #define MLAGEN_DST_TREE_ROWS 0
 #endif
 
+// MLAGEN_DST_FP8_CONVERT 0 (every shipped build): the output warps' e4m3 -> bf16 conversion of a tile issues all of a
+// thread's shared-memory loads first, then converts and stores (dimsplit_t_convert_fp8_tile); 1: one chunk at a time
+// (dimsplit's converter loop, dimsplit_convert_fp8_tile), for A/B timing (perf-notes v18).
+#ifndef MLAGEN_DST_FP8_CONVERT
+#define MLAGEN_DST_FP8_CONVERT 0
+#endif
+
 namespace mlagen {
+
+// e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
+// into a bf16 stage, as dimsplit_convert_fp8_tile does (draft rows from k_new in bf16, rows past kv_len 0, the rest
+// dequantized exactly), with every shared-memory load of the thread issued before the first conversion, so the loads'
+// latency is paid once per tile instead of once per chunk.
+template <class Cfg, int kNThreads>
+__device__ __forceinline__ void dimsplit_t_convert_fp8_tile(const MlaVerifyParams& p, int b, int q_len, int pos0,
+                                                            int kv_len, int prefix_len, uint32_t rank,
+                                                            const uint8_t* src_stage, __nv_bfloat16* dst_stage, int ct) {
+  constexpr int kChunksPerRow = Cfg::kDimCta / 16;  // 16 latent + 2 rope chunks of 16 values
+  constexpr int kChunks = Cfg::kBlockN * kChunksPerRow;
+  constexpr int kPerThread = (kChunks + kNThreads - 1) / kNThreads;
+  uint4 raw[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int c = ct + k * kNThreads;
+    if (c < kChunks) {
+      raw[k] = *reinterpret_cast<const uint4*>(src_stage + (c / kChunksPerRow) * Cfg::kFp8RowBytes +
+                                               (c % kChunksPerRow) * 16);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int c = ct + k * kNThreads;
+    if (c < kChunks) {
+      const int n = c / kChunksPerRow;
+      const int ch = c % kChunksPerRow;
+      const int pos = pos0 + n;
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      if (pos < kv_len) {
+        if (p.k_new != nullptr && pos >= prefix_len) {
+          const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
+                                                  : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
+                                                        (ch - Cfg::kLatentSteps) * 16;
+          const __nv_bfloat16* g =
+              p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
+          lo = *reinterpret_cast<const uint4*>(g);
+          hi = *reinterpret_cast<const uint4*>(g + 8);
+        } else {
+          e4m3x16_to_bf16x16(raw[k], lo, hi);
+        }
+      }
+      uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
+      d[0] = lo;
+      d[1] = hi;
+    }
+  }
+}
 
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
           int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120,
@@ -586,9 +641,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         if (i >= Cfg::kConsStages) {
           ptx::mbarrier_wait_parity(empty_bar + cs, static_cast<uint32_t>(i / Cfg::kConsStages - 1) & 1u);
         }
-        dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
-                                       fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
-                                       ow * 32 + lane, Cfg::kOutWarps * 32);
+        if constexpr (MLAGEN_DST_FP8_CONVERT == 1) {
+          dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
+                                         fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
+                                         ow * 32 + lane, Cfg::kOutWarps * 32);
+        } else {
+          dimsplit_t_convert_fp8_tile<Cfg, Cfg::kOutWarps * 32>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len,
+                                                                 prefix_len, rank, fp8_smem + st8 * Cfg::kFp8StageBytes,
+                                                                 kv_smem + cs * Cfg::kStageElems, ow * 32 + lane);
+        }
         __syncwarp();
         if (lane == 0) {
           ptx::mbarrier_arrive(empty8_bar + st8);  // release: this warp's reads of the e4m3 stage are done
