@@ -31,6 +31,10 @@ def test_shipped_specs_parse_and_sweep():
     assert all(reason for _, reason in bad) and len(ok) + len(bad) == len(vs)
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
     assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
+    # the fp8 KV cache spec: both e4m3 schedules, every bucket fp8_e4m3 (3 feasible tiles per page size and NSPLIT)
+    ok, _ = split_feasible(load_spec("specs/kimi-k2-tp8-verify-fp8kv.yaml").variants())
+    assert {(v.schedule, v.stages) for v in ok} == {("dimsplit", 2), ("dimsplit", 3), ("dimsplit_t", 2)}
+    assert len(ok) == 18 and all(v.bucket.endswith("_tree_fp8_e4m3") for v in ok)
 
 
 def test_uri_has_every_parameter_and_round_trips():
