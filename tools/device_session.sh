@@ -9,7 +9,7 @@
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
 #   release2 (2 GPUs): KERNELS=globs MEMCHECK_URIS=.. SGLang backend test + backend_step + memcheck on GPU 0, the
 #         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
-#   fp8: [KERNELS=globs FP8_URI=.. SGL=1] the fp8_e4m3 / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8;
+#   fp8: [KERNELS=globs FP8_URI=.. SGL=1] the fp8_e4m3 (dimsplit, dimsplit_t) / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8;
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
@@ -149,16 +149,16 @@ elif [ "$MODE" = schedule ]; then
     ${SMEM:+--smem-per-sm "$SMEM"} --skip-sglang --no-flashinfer --kernels "$KERNELS" --out "$OUT"
   grep -E "^\||tiles:|ceilings|built|failed|Error" "$OUT/bench_sched.log" | tail -40
 elif [ "$MODE" = fp8 ]; then
-  # the e4m3-KV and two-producer dimsplit builds: their GPU tests, memcheck of the fp8 K2 variant, the H=8
-  # bench with fp8 columns (KERNELS: the bf16 tiles to compare with, default the dimsplit ones)
+  # the e4m3-KV (dimsplit, dimsplit_t) and two-producer dimsplit builds: their GPU tests, memcheck of the fp8 K2
+  # variant, the H=8 bench with fp8 columns (KERNELS: the bf16 tiles to compare with, default dimsplit_t st4 and dimsplit)
   step pytest_fp8 "${TEST_LIMIT:-300}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py tests/test_new_kv_gpu.py \
     -k "fp8 or ds2p or new_kv"
   grep -E "passed|failed|Error|assert" "$OUT/pytest_fp8.log" | tail -12
-  FP8_URI=${FP8_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_fp8e4m3_sm120_sm90}
+  FP8_URI=${FP8_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90}
   step memcheck_fp8 200 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$FP8_URI" 0 0 quick
   step bench_fp8 "${BENCH_LIMIT:-300}" python3 bench/run_bench.py --grid small --heads 8 --page-sizes 1 \
     $([ "${SGL:-0}" = 1 ] || echo --skip-sglang) \
-    --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w[78]_rt5_st3_dimsplit*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
+    --no-flashinfer --fp8 --kernels "${KERNELS:-*_lw128_bn32_w8_rt3_st4_dimsplit_t_*,*_lw128_bn32_w[78]_rt5_st3_dimsplit_tree*,*_lwbulk_bn32_w16_rt1_st2_c*}" --out "$OUT"
   grep -E "^H=|tiles:|built|failed|Error" "$OUT/bench_fp8.log" | tail -30
 elif [ "$MODE" = consumers ]; then
   # where the dimsplit kernel's issue slots go at 64k bs1 (ncu: instruction mix per pipe, warp states, and
