@@ -20,6 +20,8 @@
 //                  MMAs and one P fragment 4.
 //   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async into a kStages ring,
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
+//   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
+//                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
 // Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
 // shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
 // (~106 KB of ldmatrix per 16 tokens per CTA with its Q steps), against ~45 KB here (3 score warps read K,
@@ -122,8 +124,8 @@ struct MlaDimSplitTConfig {
   static constexpr bool kDimSplit = true;    // a two-CTA cluster per (row block, split, request)
   static constexpr bool kTransposed = true;  // S^T = K Q^T, O^T = V^T P^T (this header)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages; the output warps dequantize each tile into
-  // the bf16 ring of kConvStages stages that the score and output warps read, in their wait for P^T
-  // (dimsplit_convert_fp8_tile; docs/perf-notes.md, "fp8 e4m3 on dimsplit_t").
+  // the bf16 ring of kConvStages stages that the score and output warps read, right after their P V step
+  // (dimsplit_t_convert_fp8_tile; docs/perf-notes.md v18).
   static constexpr bool kKvFp8 = kKvFp8_;
   static constexpr int kClusterCtas = 2;
   static constexpr int kHeads = kHeads_;
