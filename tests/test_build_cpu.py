@@ -277,7 +277,8 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
     """The dimsplit_t schedule (S^T = K Q^T in score warps, O^T = V^T P^T in output warps) compiles for
     sm_120 and sm_90 with no spills and only the allowed instructions, at H8 q9 (3 score warps, 72 rows,
     3 or 4 stages of 32 tokens, two m16 token tiles per score step; with 4, one score exchange buffer) and q_len 1 (one score warp, 8 stages of
-    16 tokens, two accumulator chains); its shared memory equals the Python model's (a static_assert appended
+    16 tokens, two accumulator chains) and with an e4m3 cache (2 e4m3 stages, 3 bf16 stages the output warps fill);
+    its shared memory equals the Python model's (a static_assert appended
     to the rendered source), which is what the feasibility filter drops variants by; the softmax uses
     ex2.approx.ftz and the producer prefetches into L2."""
     from mlagen.feasibility import infeasible_reason, resources
@@ -289,7 +290,10 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
     base = dict(page_size=1, nsplit="auto", load_width=128, schedule="dimsplit_t", arch=["sm_120", "sm_90"])
     for extra in (dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=3),
                   dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=4),
-                  dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal", block_n=16, stages=8)):
+                  dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal", block_n=16, stages=8),
+                  # e4m3 KV: a 2-stage e4m3 ring, the output warps convert into 3 bf16 stages (one exchange buffer)
+                  dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=2,
+                       dtype="fp8_e4m3")):
         (v,) = parse_spec(dict(base, **extra)).variants()
         assert infeasible_reason(v) is None
         model = (f"\nstatic_assert(Cfg::kSmemBytes == {resources(v).smem_bytes}, "
@@ -301,5 +305,8 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         assert "ex2.approx.ftz.f32" in ptx and "prefetch.global.L2" in ptx
         # 4 stages of 32 tokens fit in 99 KB beside one exchange buffer, whose reuse the peer's warp signals
         # with a remote arrival at CTA scope (no fence)
-        one_xbuf = extra["block_n"] == 32 and extra["stages"] == 4
+        fp8 = extra.get("dtype") == "fp8_e4m3"
+        one_xbuf = extra["block_n"] == 32 and (extra["stages"] == 4 or fp8)
         assert ("mbarrier.arrive.shared::cluster.b64" in ptx) == one_xbuf
+        # e4m3 -> f16x2 conversions for the stages and the satfinite e4m3 store of the draft rows, fp8 builds only
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8 and ("cvt.rn.satfinite.e4m3x2" in ptx) == fp8
