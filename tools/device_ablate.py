@@ -33,7 +33,10 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
          # dimsplit_t (no in-tile barriers there; 32: no score exchange between the cluster's CTAs)
          1 | 2 | 8: "no KV loads, no MMAs", 2 | 4 | 8: "loads + handoffs + exchange (no math)",
          1 | 2 | 4 | 8: "handoffs + exchange (no loads, no math)", 32: "no score exchange",
-         1 | 2 | 4 | 8 | 32: "handoffs only (no loads, math, exchange)"}
+         1 | 2 | 4 | 8 | 32: "handoffs only (no loads, math, exchange)",
+         # fp8 (e4m3) dimsplit_t: the output warps' conversion into the bf16 stages (perf-notes v18)
+         64: "no e4m3 conversion (barriers kept)", 128: "conversion without the stage-release wait",
+         64 | 128: "neither conversion nor its wait"}
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
@@ -58,7 +61,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above; "
-                    "dimsplit_t implements 1, 2, 4, 8 and 32)")
+                    "dimsplit_t implements 1, 2, 4, 8 and 32, its fp8 build also 64 and 128)")
     a = ap.parse_args()
     try:
         picked = [int(m) for m in a.masks.split(",") if m] if a.masks else list(MASKS)

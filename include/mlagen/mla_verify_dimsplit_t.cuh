@@ -337,7 +337,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     ptx::fence_barrier_init();
   }
   // (ablation builds without KV loads read the ring as it is: zero it for them too)
-  if constexpr (!Cfg::kZeroFillTail || (kAblate & kAblateLoads)) zero_kv_ring<Cfg>(kv_smem, tid);
+  if constexpr (!Cfg::kZeroFillTail || (kAblate & (kAblateLoads | kAblateConvert))) zero_kv_ring<Cfg>(kv_smem, tid);
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
 
   auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };
@@ -640,10 +640,12 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         const int st8 = i % Cfg::kStages;
         const int cs = i % Cfg::kConsStages;
         ptx::mbarrier_wait_parity(full8_bar + st8, static_cast<uint32_t>(i / Cfg::kStages) & 1u);
-        if (i >= Cfg::kConsStages) {
+        if (i >= Cfg::kConsStages && !(kAblate & kAblateConvertWait)) {
           ptx::mbarrier_wait_parity(empty_bar + cs, static_cast<uint32_t>(i / Cfg::kConsStages - 1) & 1u);
         }
-        if constexpr (MLAGEN_DST_FP8_CONVERT == 1) {
+        if constexpr (kAblate & kAblateConvert) {
+          // diagnostic: the stage keeps its zeros (zero_kv_ring), only the barriers below run
+        } else if constexpr (MLAGEN_DST_FP8_CONVERT == 1) {
           dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
                                          fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
                                          ow * 32 + lane, Cfg::kOutWarps * 32);

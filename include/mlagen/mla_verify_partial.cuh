@@ -38,7 +38,10 @@ namespace mlagen {
 
 inline constexpr int kAblate = MLAGEN_ABLATE;
 inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kAblatePV = 8, kAblateBarriers = 16,
-                     kAblateExchange = 32;
+                     kAblateExchange = 32,
+                     // e4m3 dimsplit_t: no e4m3 -> bf16 conversion (the output warps still pass its barriers); no wait
+                     // for the bf16 stage's release before converting (races: a timing diagnostic only)
+                     kAblateConvert = 64, kAblateConvertWait = 128;
 
 // Zeroes an array of mma accumulator fragments, [tiles][n tiles][4] fp32.
 template <int kA, int kB>
