@@ -53,7 +53,7 @@ def template_context(v: Variant) -> dict:
         schedule=v.schedule if v.schedule in SCHEDULES else "rowblock",
         mask_cpp=MASKS[v.mask][0],
         smem_limit=min(SMEM_LIMIT[a] for a in v.archs),
-        kv_fp8=int(v.dtype == "fp8_e4m3"),  # e4m3 KV cache (dimsplit only; the feasibility filter enforces it)
+        kv_fp8=int(v.dtype == "fp8_e4m3"),  # e4m3 KV cache (dimsplit, dimsplit_t; the feasibility filter enforces it)
     )
 
 

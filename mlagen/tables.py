@@ -29,7 +29,7 @@ DIMSPLIT_T_ROWS_PER_SCORE_WARP = 24  # dimsplit_t: a score warp holds 3 n8 row t
 DTYPES = {
     # spec value (the KV cache's dtype; q and out are bf16): (C++ KV element type, uri token)
     "bf16": ("__nv_bfloat16", "bf16"),
-    # e4m3 KV cache (SGLang --kv-cache-dtype fp8_e4m3), dequantized to bf16 in shared memory (dimsplit only)
+    # e4m3 KV cache (SGLang --kv-cache-dtype fp8_e4m3), dequantized to bf16 in shared memory (dimsplit, dimsplit_t)
     "fp8_e4m3": ("__nv_fp8_e4m3", "fp8e4m3"),
 }
 

@@ -517,10 +517,14 @@ def test_device_profile_needs_a_gpu_in_one_line():
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("masks, msg", [("2,x", "comma-separated integers expected"), ("2,3", "no ablation [3]")])
-def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg):
-    """tools/device_ablate.py --masks: a non-integer or an unknown mask stops with one line, before the GPU check
-    and before any build."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"), "--masks", masks],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+@pytest.mark.parametrize("masks, msg, uri", [
+    ("2,x", "comma-separated integers expected", None), ("2,3", "no ablation [3]", None),
+    ("64", "drop the e4m3 conversion of an fp8_e4m3 dimsplit_t build",  # the default uri is a bf16 rowblock one
+     None),
+    ("8", "uri:", "not_a_uri")])
+def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg, uri):
+    """tools/device_ablate.py --masks: a non-integer, an unknown mask, an fp8-conversion mask on a build without the
+    conversion, or a bad uri stops with one line, before the GPU check and before any build."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"), *([uri] if uri else []),
+                        "--masks", masks], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -37,6 +37,7 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
          # fp8 (e4m3) dimsplit_t: the output warps' conversion into the bf16 stages (perf-notes v18)
          64: "no e4m3 conversion (barriers kept)", 128: "conversion without the stage-release wait",
          64 | 128: "neither conversion nor its wait"}
+FP8_DIMSPLIT_T_MASKS = (64, 128, 64 | 128)  # only an fp8_e4m3 dimsplit_t build has the conversion they drop
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
@@ -60,23 +61,33 @@ def main() -> int:
     ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above; "
-                    "dimsplit_t implements 1, 2, 4, 8 and 32, its fp8 build also 64 and 128)")
+    ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above that the "
+                    "variant has; dimsplit_t implements 1, 2, 4, 8 and 32, its fp8 build also 64 and 128)")
     a = ap.parse_args()
     try:
-        picked = [int(m) for m in a.masks.split(",") if m] if a.masks else list(MASKS)
+        picked = [int(m) for m in a.masks.split(",") if m] if a.masks else None
     except ValueError:
         sys.exit(f"--masks: comma-separated integers expected, got {a.masks!r}")
+    try:
+        uv = Variant.from_uri(a.uri)
+    except ValueError as e:
+        sys.exit(f"uri: {e}")
+    fp8_t = uv.schedule == "dimsplit_t" and uv.dtype == "fp8_e4m3"
+    if picked is None:
+        picked = [m for m in MASKS if fp8_t or m not in FP8_DIMSPLIT_T_MASKS]
     unknown = [m for m in picked if m not in MASKS]
     if unknown:
         sys.exit(f"--masks: no ablation {unknown}; known: {sorted(MASKS)}")
+    if not fp8_t and any(m in FP8_DIMSPLIT_T_MASKS for m in picked):
+        sys.exit(f"--masks: {sorted(FP8_DIMSPLIT_T_MASKS)} drop the e4m3 conversion of an fp8_e4m3 dimsplit_t build; "
+                 f"{a.uri} has none")
     masks = {0: MASKS[0]} | {m: MASKS[m] for m in picked}
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing measured")
         return 1
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    v = dataclasses.replace(Variant.from_uri(a.uri), archs=(arch,))
+    v = dataclasses.replace(uv, archs=(arch,))
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
     out_dir.mkdir(parents=True, exist_ok=True)
     ctxs = [int(c) for c in a.contexts.split(",")]

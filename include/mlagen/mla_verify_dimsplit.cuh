@@ -462,10 +462,34 @@ __device__ __forceinline__ void dimsplit_produce_fp8(const MlaVerifyParams& p, c
   }
 }
 
+// e4m3 KV cache: chunk ch (16 values: 16 latent chunks, then 2 rope chunks) of token row n of a bf16 stage (dst_stage)
+// for position pos: a draft row (k_new, pos >= prefix_len) is copied from k_new's bf16, a row past kv_len is written as
+// 0, any other row is `raw` (the chunk's 16 e4m3 bytes from the e4m3 stage) dequantized exactly (e4m3x16_to_bf16x16).
+template <class Cfg>
+__device__ __forceinline__ void fp8_chunk_to_stage(const MlaVerifyParams& p, int b, int q_len, int pos, int n, int ch,
+                                                   int kv_len, int prefix_len, uint32_t rank, const uint4& raw,
+                                                   __nv_bfloat16* dst_stage) {
+  uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+  if (pos < kv_len) {
+    if (p.k_new != nullptr && pos >= prefix_len) {
+      const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
+                                              : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
+                                                    (ch - Cfg::kLatentSteps) * 16;
+      const __nv_bfloat16* g = p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
+      lo = *reinterpret_cast<const uint4*>(g);
+      hi = *reinterpret_cast<const uint4*>(g + 8);
+    } else {
+      e4m3x16_to_bf16x16(raw, lo, hi);
+    }
+  }
+  uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
+  d[0] = lo;
+  d[1] = hi;
+}
+
 // e4m3 KV cache: this thread's share (thread ct of nthreads) of converting one e4m3 stage (src, the tile of
-// positions [pos0, pos0 + kBlockN)) into a bf16 stage of the consumers' ring (dst), 16 values per thread-step:
-// draft rows (k_new) copied from k_new's bf16, tokens past kv_len written as 0, the rest dequantized exactly
-// (e4m3x16_to_bf16x16). The caller orders the stage's reads (full8) and writes (empty of the bf16 stage).
+// positions [pos0, pos0 + kBlockN)) into a bf16 stage of the consumers' ring (dst), one 16-value chunk at a time
+// (fp8_chunk_to_stage). The caller orders the stage's reads (full8) and writes (empty of the bf16 stage).
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_convert_fp8_tile(const MlaVerifyParams& p, int b, int q_len, int pos0,
                                                           int kv_len, int prefix_len, uint32_t rank,
@@ -475,24 +499,8 @@ __device__ __forceinline__ void dimsplit_convert_fp8_tile(const MlaVerifyParams&
   for (int c = ct; c < Cfg::kBlockN * kChunksPerRow; c += nthreads) {
     const int n = c / kChunksPerRow;
     const int ch = c % kChunksPerRow;
-    const int pos = pos0 + n;
-    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-    if (pos < kv_len) {
-      if (p.k_new != nullptr && pos >= prefix_len) {
-        const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
-                                                : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
-                                                      (ch - Cfg::kLatentSteps) * 16;
-        const __nv_bfloat16* g =
-            p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
-        lo = *reinterpret_cast<const uint4*>(g);
-        hi = *reinterpret_cast<const uint4*>(g + 8);
-      } else {
-        e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16), lo, hi);
-      }
-    }
-    uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
-    d[0] = lo;
-    d[1] = hi;
+    const uint4 raw = *reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16);
+    fp8_chunk_to_stage<Cfg>(p, b, q_len, pos0 + n, n, ch, kv_len, prefix_len, rank, raw, dst_stage);
   }
 }
 

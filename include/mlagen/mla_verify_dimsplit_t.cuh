@@ -70,9 +70,9 @@
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
-// into a bf16 stage, as dimsplit_convert_fp8_tile does (draft rows from k_new in bf16, rows past kv_len 0, the rest
-// dequantized exactly), with every shared-memory load of the thread issued before the first conversion, so the loads'
-// latency is paid once per tile instead of once per chunk.
+// into a bf16 stage, as dimsplit_convert_fp8_tile does (fp8_chunk_to_stage: draft rows from k_new in bf16, rows past
+// kv_len 0, the rest dequantized exactly), with every shared-memory load of the thread issued before the first
+// conversion, so the loads' latency is paid once per tile instead of once per chunk.
 template <class Cfg, int kNThreads>
 __device__ __forceinline__ void dimsplit_t_convert_fp8_tile(const MlaVerifyParams& p, int b, int q_len, int pos0,
                                                             int kv_len, int prefix_len, uint32_t rank,
@@ -94,25 +94,7 @@ __device__ __forceinline__ void dimsplit_t_convert_fp8_tile(const MlaVerifyParam
     const int c = ct + k * kNThreads;
     if (c < kChunks) {
       const int n = c / kChunksPerRow;
-      const int ch = c % kChunksPerRow;
-      const int pos = pos0 + n;
-      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-      if (pos < kv_len) {
-        if (p.k_new != nullptr && pos >= prefix_len) {
-          const int gdim = ch < Cfg::kLatentSteps ? static_cast<int>(rank) * Cfg::kLatentHalf + ch * 16
-                                                  : Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf +
-                                                        (ch - Cfg::kLatentSteps) * 16;
-          const __nv_bfloat16* g =
-              p.k_new + (static_cast<int64_t>(b) * q_len + (pos - prefix_len)) * p.k_new_stride_tok + gdim;
-          lo = *reinterpret_cast<const uint4*>(g);
-          hi = *reinterpret_cast<const uint4*>(g + 8);
-        } else {
-          e4m3x16_to_bf16x16(raw[k], lo, hi);
-        }
-      }
-      uint4* d = reinterpret_cast<uint4*>(dst_stage + n * Cfg::kKvRowElems + ch * 16);
-      d[0] = lo;
-      d[1] = hi;
+      fp8_chunk_to_stage<Cfg>(p, b, q_len, pos0 + n, n, c % kChunksPerRow, kv_len, prefix_len, rank, raw[k], dst_stage);
     }
   }
 }
@@ -338,6 +320,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   }
   // (ablation builds without KV loads read the ring as it is: zero it for them too)
   if constexpr (!Cfg::kZeroFillTail || (kAblate & (kAblateLoads | kAblateConvert))) zero_kv_ring<Cfg>(kv_smem, tid);
+  if constexpr (Cfg::kKvFp8 && (kAblate & kAblateLoads)) {  // (the conversion then reads zeros, not stale bytes)
+    for (int i = tid; i < Cfg::kSmemFp8 / 16; i += Cfg::kThreads)
+      reinterpret_cast<uint4*>(fp8_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
 
   auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };
