@@ -243,7 +243,10 @@ def _dimsplit_t_reason(v: Variant) -> str | None:
     if v.num_warps != warps:
         return (f"schedule dimsplit_t runs row_tiles score warps, {DIMSPLIT_T_OUT_WARPS} output warps and a producer: "
                 f"num_warps must be {warps}, got {v.num_warps}")
-    return _smem_reason(v, resources(v))
+    why = _smem_reason(v, resources(v))
+    if why is not None and v.dtype == "fp8_e4m3" and v.stages > 2:
+        why += f" (dtype fp8_e4m3 on dimsplit_t: an e4m3 ring of stages 2 fits beside its 3 bf16 stages, got {v.stages})"
+    return why
 
 
 def _smem_reason(v: Variant, r: Resources) -> str | None:
