@@ -32,11 +32,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
 
-H_LIST = (8, 16)
-PAGE_SIZES = (1, 64)
+from sglang_gpu_variants import H_LIST, PAGE_SIZES, Q_CHAIN, Q_TREE, case_key, spec_for, variant_key  # noqa: E402
+
 MAX_BS = 16
 CAPTURE_BS = (1, 2, 4, 8, 16)
-Q_TREE, Q_CHAIN = 8, 4
 WIDTH = 1024  # req_to_token columns (max context)
 REPLAYS = int(os.environ.get("MLAGEN_SGLANG_REPLAYS", "1000"))  # the issue's bar is 1000
 # bf16 outputs of two kernels (Triton's and ours) each round once: they may differ by an ulp of the
@@ -173,53 +172,32 @@ def import_sglang(on_missing, master_port=29661):
 
 @pytest.fixture(scope="module")
 def kernels(gpu_arch):
-    """Build (or reuse) the variants the cases need; {(role, H, page_size, mask[, "fp8_e4m3" | "dimsplit_t"]):
-    VerifyKernel} (the suffix: an fp8_e4m3 variant, a dimsplit_t one; none: bf16 rowblock)."""
-    arch = gpu_arch
+    """{case key (sglang_gpu_variants.case_key): VerifyKernel}, each variant built (or reused) when a case first
+    asks for it: rowblock bf16, dimsplit for e4m3 pools, dimsplit_t (sglang_gpu_variants.spec_for)."""
     try:
-        from mlagen.build import build_variants
-        from mlagen.ops import load_so
+        from mlagen.build import build_variants  # noqa: F401
+        from mlagen.ops import load_so  # noqa: F401
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"mlagen.build / mlagen.ops not importable: {e!r}")
-    common = dict(kernel="mla_verify", heads_per_rank=list(H_LIST), page_size=list(PAGE_SIZES), nsplit="auto",
-                  load_width=128, block_n=16, num_warps=8, stages=3, arch=[arch])
-    specs = [
-        dict(common, name="sglang-gpu-verify", q_len=Q_TREE, mask=["tree", "causal"], row_tiles=2),
-        dict(common, name="sglang-gpu-decode", q_len=1, mask="causal", row_tiles=1),
-    ]
-    # e4m3 KV pools (--kv-cache-dtype fp8_e4m3): dtype fp8_e4m3 dimsplit variants (a producer + two converter warps)
-    from mlagen.feasibility import dimsplit_row_tiles
+    return _LazyKernels(gpu_arch)
 
-    for H in H_LIST:
-        for q, mask in ((Q_TREE, ["tree", "causal"]), (1, "causal")):
-            rt = dimsplit_row_tiles(H * q)
-            specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-fp8-h{H}-q{q}", heads_per_rank=H, q_len=q,
-                              mask=mask, page_size=list(PAGE_SIZES), nsplit="auto", load_width=128, block_n=32,
-                              stages=3, schedule="dimsplit", row_tiles=rt, num_warps=rt + 3, dtype="fp8_e4m3",
-                              arch=[arch]))
-    # dimsplit_t verify variants: the H200 bench's fastest schedule for H 8 target verify
-    from mlagen.feasibility import dimsplit_t_num_warps, dimsplit_t_row_tiles
 
-    for H in H_LIST:
-        rt = dimsplit_t_row_tiles(H * Q_TREE)
-        specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-dst-h{H}", heads_per_rank=H, q_len=Q_TREE,
-                          mask=["tree", "causal"], page_size=list(PAGE_SIZES), nsplit="auto", load_width=128,
-                          block_n=32, stages=4, schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt),
-                          arch=[arch]))
-        # e4m3 pools on dimsplit_t (the producer copies e4m3 rows, the output warps dequantize them)
-        specs.append(dict(kernel="mla_verify", name=f"sglang-gpu-dst-fp8-h{H}", heads_per_rank=H, q_len=Q_TREE,
-                          mask="tree", page_size=list(PAGE_SIZES), nsplit="auto", load_width=128, block_n=32,
-                          stages=2, schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt),
-                          dtype="fp8_e4m3", arch=[arch]))
-    out = {}
-    for spec in specs:
-        for bv in build_variants(spec):
-            v = bv.variant
-            role = "decode" if v.q_len == 1 else "verify"
-            key = (role, v.heads, v.page_size, v.mask) + (("fp8_e4m3",) if v.dtype == "fp8_e4m3" else ()) + (
-                ("dimsplit_t",) if v.schedule == "dimsplit_t" else ())
-            out[key] = load_so(bv.uri, str(bv.so_path))
-    return out
+class _LazyKernels(dict):
+    """Case key -> VerifyKernel, the key's one-module spec built on first use (KeyError: no variant serves it)."""
+
+    def __init__(self, arch: str):
+        super().__init__()
+        self.arch = arch
+
+    def __missing__(self, key):
+        from mlagen.build import build_variants
+        from mlagen.ops import load_so
+
+        for bv in build_variants(spec_for(key, self.arch)):
+            self[variant_key(bv.variant)] = load_so(bv.uri, str(bv.so_path))
+        if not dict.__contains__(self, key):
+            raise KeyError(key)
+        return dict.__getitem__(self, key)
 
 
 # ----------------------------------------------------------------------------- stand-ins
@@ -326,10 +304,11 @@ def _make_backends(sgl, kernels, H, ps, q_len, role, mask, fp8_checkpoint=False,
         t.num_draft_tokens = q_len if spec else None
         t.topk = 1
         t.target_verify_num_tokens_per_req = q_len if spec else 1
-    key = (role, H, ps, mask) + (("fp8_e4m3",) if kv_fp8 else ()) + ((schedule,) if schedule else ())
-    if key not in kernels:
+    key = case_key(role, H, ps, mask, kv_fp8, schedule)
+    try:
+        k = kernels[key]
+    except KeyError:
         pytest.fail(f"mlagen built no variant for {key}; built: {sorted(kernels)}")
-    k = kernels[key]
     ours = MlagenAttnBackend(runner, verify_kernel=k if spec else None, decode_kernel=None if spec else k,
                              fallback=fb_triton)
     layer = _layer(sgl, H, fp8_checkpoint)

@@ -1,0 +1,42 @@
+"""Test helper: the mlagen variant that serves each case of tests/test_sglang_backend_gpu.py, as a one-module spec
+(so a case selection builds only the modules its cases need), and the case key of a built variant."""
+
+from mlagen.feasibility import dimsplit_row_tiles, dimsplit_t_num_warps, dimsplit_t_row_tiles
+
+H_LIST = (8, 16)
+PAGE_SIZES = (1, 64)
+Q_TREE, Q_CHAIN = 8, 4  # draft tokens of a tree (the variants' q_len) and of a chain (runtime q_len, causal mask)
+
+
+def case_key(role: str, H: int, ps: int, mask: str, kv_fp8: bool = False, schedule: str | None = None) -> tuple:
+    """(role, H, page_size, mask[, "fp8_e4m3"][, "dimsplit_t"]): role "verify" | "decode"; the suffixes mark an
+    e4m3 pool's variant and a dimsplit_t one (none: bf16 rowblock, or dimsplit for an e4m3 pool)."""
+    return (role, H, ps, mask) + (("fp8_e4m3",) if kv_fp8 else ()) + ((schedule,) if schedule == "dimsplit_t" else ())
+
+
+def variant_key(v) -> tuple:
+    """The :func:`case_key` a built ``mlagen.spec.Variant`` serves."""
+    return case_key("decode" if v.q_len == 1 else "verify", v.heads, v.page_size, v.mask, v.dtype == "fp8_e4m3",
+                    v.schedule)
+
+
+def spec_for(key: tuple, arch: str) -> dict:
+    """The spec (one variant, nsplit auto) that serves case ``key`` on ``arch`` ("sm_90" / "sm_120"): bf16 rowblock
+    (block_n 16, 2 row tiles for verify, 1 for decode), e4m3 pools on dimsplit (a producer and two converter warps,
+    3 stages), dimsplit_t (4 stages; e4m3: 2). Raises KeyError for a key no case uses."""
+    role, H, ps, mask, *suffix = key
+    if role not in ("verify", "decode") or any(s not in ("fp8_e4m3", "dimsplit_t") for s in suffix):
+        raise KeyError(key)
+    fp8, dst = "fp8_e4m3" in suffix, "dimsplit_t" in suffix
+    q = Q_TREE if role == "verify" else 1
+    base = dict(kernel="mla_verify", heads_per_rank=H, q_len=q, mask=mask, page_size=ps, nsplit="auto",
+                load_width=128, dtype="fp8_e4m3" if fp8 else "bf16", arch=[arch])
+    if dst:
+        rt = dimsplit_t_row_tiles(H * q)
+        return dict(base, name=f"sglang-gpu-dst{'-fp8' if fp8 else ''}-h{H}", block_n=32, stages=2 if fp8 else 4,
+                    schedule="dimsplit_t", row_tiles=rt, num_warps=dimsplit_t_num_warps(rt))
+    if fp8:
+        rt = dimsplit_row_tiles(H * q)
+        return dict(base, name=f"sglang-gpu-fp8-h{H}-q{q}", block_n=32, stages=3, schedule="dimsplit", row_tiles=rt,
+                    num_warps=rt + 3)
+    return dict(base, name=f"sglang-gpu-{role}", block_n=16, num_warps=8, stages=3, row_tiles=2 if role == "verify" else 1)
