@@ -38,12 +38,6 @@
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
-// MLAGEN_FP8_PF_TAIL 1: the e4m3 producer's L2 prefetch also asks for the last byte of the token's latent half
-// (dimsplit_produce_fp8); 0: v18's two lines only, for A/B timing (tools/device_ab_define.py).
-#ifndef MLAGEN_FP8_PF_TAIL
-#define MLAGEN_FP8_PF_TAIL 1
-#endif
-
 namespace mlagen {
 
 // Compile-time configuration of a dimsplit variant; the fields the combine kernel, the launcher and
@@ -411,10 +405,10 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
 // e4m3 bytes of each token into the e4m3 ring [kStages][kBlockN][kFp8RowBytes] (lanes 0-15 / 16-31: the latent
 // half of two tokens per instruction; then 16 tokens' rope halves); each lane's copies complete on full8[stage].
 // Draft rows taken from k_new (bf16) and tokens past kv_len are not loaded: the converters fill them. With
-// Cfg::kL2PrefetchTiles > 0, each lane first asks L2 for its token's lines of the tile that many ahead: the lines of
-// its 256-byte latent half (the first byte, +128, and the last byte: a 576-byte row of an odd slot starts 64 bytes
-// into a line, so its half spans three lines) and the line of its 32-byte rope half. MLAGEN_FP8_PF_TAIL 0 (A/B
-// only) leaves out the last-byte request, as v18 did (docs/perf-notes.md v19).
+// Cfg::kL2PrefetchTiles > 0, each lane first asks L2 for its token's lines of the tile that many ahead, as
+// dimsplit_produce_bf16 does: two 128-byte lines from the start of its 256-byte latent half and the line of its rope
+// half (a 576-byte row of an odd slot starts mid-line, so its latent half spans three lines and the third is not
+// asked for: docs/perf-notes.md v18, not yet timed).
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_fp8(const MlaVerifyParams& p, const int32_t* page_row, int kv_len,
                                                      int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
@@ -438,7 +432,6 @@ __device__ __forceinline__ void dimsplit_produce_fp8(const MlaVerifyParams& p, c
         const uint8_t* row = reinterpret_cast<const uint8_t*>(slot_pf);
 #pragma unroll
         for (int c = 0; c < Cfg::kLatentHalf / 128; ++c) ptx::prefetch_l2(row + rank * Cfg::kLatentHalf + c * 128);
-        if constexpr (MLAGEN_FP8_PF_TAIL != 0) ptx::prefetch_l2(row + (rank + 1) * Cfg::kLatentHalf - 1);
         ptx::prefetch_l2(row + Cfg::kKvLoraRank + rank * Cfg::kRopeHalf);
       }
       slot_pf = i + kPf + 1 < num_tiles ? slot_of(tile + kPf + 1) : kNoSlot;

@@ -67,14 +67,6 @@
 #define MLAGEN_DST_FP8_CONVERT 0
 #endif
 
-// MLAGEN_DST_FP8_OWN_DIMS 1: each output warp converts the dims of a tile it reads as V (and a quarter of its rope
-// chunks), after its own P V step of the stage's previous tile and the score warps' release of it, so no output warp
-// waits for another (dimsplit_t_convert_fp8_own_dims); 0: v18's conversion of the whole tile shared by the 4 output
-// warps, after every consumer warp released the stage, for A/B timing (perf-notes v19).
-#ifndef MLAGEN_DST_FP8_OWN_DIMS
-#define MLAGEN_DST_FP8_OWN_DIMS 1
-#endif
-
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -107,51 +99,6 @@ __device__ __forceinline__ void dimsplit_t_convert_fp8_tile(const MlaVerifyParam
   }
 }
 
-// e4m3 KV cache: output warp ow's share of converting one e4m3 stage into a bf16 stage: the kDimVWarp latent dims
-// it reads as V for every token, and the rope chunks of tokens [ow kBlockN / kOutWarps, ...).
-template <class Cfg>
-__device__ __forceinline__ void dimsplit_t_convert_fp8_own_dims(const MlaVerifyParams& p, int b, int q_len, int pos0,
-                                                                int kv_len, int prefix_len, uint32_t rank,
-                                                                const uint8_t* src_stage, __nv_bfloat16* dst_stage,
-                                                                int ow, int lane) {
-  constexpr int kLatentPerWarp = Cfg::kDimVWarp / 16;
-  constexpr int kRopePerToken = Cfg::kRopeHalf / 16;
-  constexpr int kRopeTokens = Cfg::kBlockN / Cfg::kOutWarps;
-  constexpr int kLatent = Cfg::kBlockN * kLatentPerWarp;
-  constexpr int kChunks = kLatent + kRopeTokens * kRopePerToken;
-  constexpr int kPerLane = (kChunks + 31) / 32;
-  static_assert(Cfg::kDimVWarp * Cfg::kOutWarps == Cfg::kLatentHalf && Cfg::kDimVWarp % 16 == 0, "V dims");
-  static_assert(Cfg::kBlockN % Cfg::kOutWarps == 0 && Cfg::kRopeHalf % 16 == 0, "rope chunks");
-  auto chunk = [&](int c, int& n, int& ch) {
-    if (c < kLatent) {
-      n = c / kLatentPerWarp;
-      ch = ow * kLatentPerWarp + c % kLatentPerWarp;
-    } else {
-      n = ow * kRopeTokens + (c - kLatent) / kRopePerToken;
-      ch = Cfg::kLatentHalf / 16 + (c - kLatent) % kRopePerToken;
-    }
-  };
-  uint4 raw[kPerLane];
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int c = lane + 32 * k;
-    if (c < kChunks) {
-      int n, ch;
-      chunk(c, n, ch);
-      raw[k] = *reinterpret_cast<const uint4*>(src_stage + n * Cfg::kFp8RowBytes + ch * 16);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int c = lane + 32 * k;
-    if (c < kChunks) {
-      int n, ch;
-      chunk(c, n, ch);
-      fp8_chunk_to_stage<Cfg>(p, b, q_len, pos0 + n, n, ch, kv_len, prefix_len, rank, raw[k], dst_stage);
-    }
-  }
-}
-
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
           int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120,
           bool kKvFp8_ = false>
@@ -180,7 +127,6 @@ struct MlaDimSplitTConfig {
   // tile j's stage right after the output warps' step j, one score step before it is needed.
   static constexpr int kConvStages = 3;
   static constexpr int kConsStages = kKvFp8 ? kConvStages : kStages;  // stages of the ring the consumers read
-  static constexpr bool kFp8OwnDims = kKvFp8 && MLAGEN_DST_FP8_OWN_DIMS != 0;
   // The producer prefetches into L2 the tile kStages ahead of the one it copies: a stage is held by the score
   // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
   // one step before the score warps need it, less than the DRAM latency (perf-notes v12b). fp8: the tile
@@ -354,7 +300,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     for (int st = 0; st < Cfg::kConsStages; ++st) {
       // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
       ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : 32);
-      ptx::mbarrier_init(empty_bar + st, Cfg::kFp8OwnDims ? Cfg::kScoreWarps : Cfg::kConsumerWarps);
+      ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kKvFp8) {
       for (int st = 0; st < Cfg::kStages; ++st) {
@@ -685,10 +631,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         }
         if constexpr (kAblate & kAblateConvert) {
           // diagnostic: the stage keeps its zeros (zero_kv_ring), only the barriers below run
-        } else if constexpr (Cfg::kFp8OwnDims) {
-          dimsplit_t_convert_fp8_own_dims<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
-                                               fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
-                                               ow, lane);
         } else if constexpr (MLAGEN_DST_FP8_CONVERT == 1) {
           dimsplit_convert_fp8_tile<Cfg>(p, b, q_len, (tile_begin + i) * Cfg::kBlockN, kv_len, prefix_len, rank,
                                          fp8_smem + st8 * Cfg::kFp8StageBytes, kv_smem + cs * Cfg::kStageElems,
@@ -770,7 +712,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       }
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);  // P buffer free for sub-tile j + kPBufs
-      if constexpr (!Cfg::kFp8OwnDims) release_stage(j);
+      release_stage(j);
       if constexpr (Cfg::kKvFp8) {
         if (j + Cfg::kConsStages < num_sub) convert_tile(j + Cfg::kConsStages);  // into the stage j just left
       }
