@@ -3,11 +3,12 @@ each value is its own module (``#define NAME value`` ahead of the rendered sourc
 for every build in alternating rounds (the median of the rounds is printed), so clock and machine drift
 fall on all builds alike; first, each build's output is compared bit for bit with the first's on one problem
 per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER,
-MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT (include/mlagen/mla_verify_dimsplit_t.cuh), MLAGEN_BATCH_DIRECT
-(include/mlagen/mla_verify_batch.cuh), MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
+MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT (include/mlagen/mla_verify_dimsplit_t.cuh), MLAGEN_MBAR_WAIT
+(include/mlagen/ptx.cuh), MLAGEN_BATCH_DIRECT (include/mlagen/mla_verify_batch.cuh), MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
 Several --define options are zipped: build i gets the i-th value of each (all must list as many values).
 
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PROLOGUE=0,1 [--contexts 4096,65536] [--batches 1,4]
+        [--build-only]
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PRODUCER=1,0,1,0 --define MLAGEN_DST_TREE_ROWS=1,1,0,0
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
@@ -20,7 +21,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,20 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlagen.bench import Shape, bench_kernel, make_problem  # noqa: E402
 from mlagen.codegen import render_variant  # noqa: E402
-from mlagen.ninja_gen import ext_suffix, nvcc_flags, nvcc_path  # noqa: E402
+from mlagen.ninja_gen import compile_diagnostic  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 
 def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
-    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines``."""
+    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines`` (nothing
+    recompiled when its source is unchanged)."""
     mod = v.build_key + "".join(f"_{name.lower()}_{value}" for name, value in defines)
-    src, so = out_dir / f"{mod}.cu", out_dir / f"{mod}{ext_suffix()}"
-    src.write_text("".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod))
-    r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed for {defines}:\n{r.stderr[-3000:]}")
-    return mod, so
+    src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
+    return mod, compile_diagnostic(v, src, mod, out_dir)
 
 
 def main() -> int:
@@ -54,6 +51,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--build-only", action="store_true",
+                    help="compile the builds and stop (a later run with the same arguments reuses them)")
     a = ap.parse_args()
     defs = []
     for d in a.define:
@@ -82,6 +81,9 @@ def main() -> int:
 
     with ThreadPoolExecutor(max_workers=min(len(values), os.cpu_count() or 1)) as pool:
         built = list(pool.map(lambda b: build(v, b, out_dir), builds))
+    if a.build_only:
+        print(f"built {len(built)} builds of {a.uri} in {out_dir}")
+        return 0
     kernels = [VerifyKernel(v, so, mod) for mod, so in built]
     shapes = [Shape(v.heads, v.q_len, b, c, v.page_size) for b in map(int, a.batches.split(","))
               for c in map(int, a.contexts.split(","))]

@@ -2,7 +2,7 @@
 (include/mlagen/mla_verify_partial.cuh drops the masked phases; outputs are then wrong) and time each
 build at the same shapes in one process. The differences against the full kernel place the time.
 
-    python3 tools/device_ablate.py [URI] [--contexts 4096,65536] [--batch 1]
+    python3 tools/device_ablate.py [URI] [--contexts 4096,65536] [--batch 1] [--masks 1,2] [--build-only]
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a
 markdown table: ablation, µs per context, and the time saved against the full build.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlagen.bench import Shape, bench_kernel  # noqa: E402
 from mlagen.codegen import render_variant  # noqa: E402
-from mlagen.ninja_gen import ext_suffix, nvcc_flags, nvcc_path  # noqa: E402
+from mlagen.ninja_gen import compile_diagnostic  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -47,13 +46,9 @@ def module_name(v: Variant, mask: int) -> str:
 
 
 def build(v: Variant, mask: int, out_dir: Path) -> Path:
-    src = out_dir / f"{module_name(v, mask)}.cu"
-    so = out_dir / f"{module_name(v, mask)}{ext_suffix()}"
-    src.write_text(f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v, module_name(v, mask)))
-    r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(so)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed for ablation {mask}:\n{r.stderr[-3000:]}")
-    return so
+    """The ablation ``mask`` of ``v`` compiled into ``out_dir`` (nothing recompiled when its source is unchanged)."""
+    mod = module_name(v, mask)
+    return compile_diagnostic(v, f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v, mod), mod, out_dir)
 
 
 def main() -> int:
@@ -61,6 +56,8 @@ def main() -> int:
     ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--build-only", action="store_true",
+                    help="compile the builds and stop (a later run with the same arguments reuses them)")
     ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above that the "
                     "variant has; dimsplit_t implements 1, 2, 4, 8 and 32, its fp8 build also 64 and 128)")
     a = ap.parse_args()
@@ -86,7 +83,7 @@ def main() -> int:
         print("needs a CUDA GPU; nothing measured")
         return 1
     major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}"
+    arch = f"sm_{major}{minor}"  # (--build-only too: the device's arch, the one the timing run builds)
     v = dataclasses.replace(uv, archs=(arch,))
     out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +92,9 @@ def main() -> int:
 
     with ThreadPoolExecutor(max_workers=min(len(masks), os.cpu_count() or 1)) as pool:
         sos = dict(zip(masks, pool.map(lambda m: build(v, m, out_dir), masks)))
+    if a.build_only:
+        print(f"built {len(sos)} ablations of {a.uri} in {out_dir}")
+        return 0
     rows = {}
     kernels = {mask: VerifyKernel(v, so, module_name(v, mask)) for mask, so in sos.items()}
     for mask, k in kernels.items():
