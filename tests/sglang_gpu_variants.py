@@ -1,5 +1,10 @@
 """Test helper: the mlagen variant that serves each case of tests/test_sglang_backend_gpu.py, as a one-module spec
-(so a case selection builds only the modules its cases need), and the case key of a built variant."""
+(so a case selection builds only the modules its cases need), and the case key of a built variant.
+
+Run as a script, it compiles every case's module in one parallel build first (the test then finds them built):
+
+    python3 tests/sglang_gpu_variants.py [--arch sm_90] [-j 16]
+"""
 
 from mlagen.feasibility import dimsplit_row_tiles, dimsplit_t_num_warps, dimsplit_t_row_tiles
 
@@ -40,3 +45,71 @@ def spec_for(key: tuple, arch: str) -> dict:
         return dict(base, name=f"sglang-gpu-fp8-h{H}-q{q}", block_n=32, stages=3, schedule="dimsplit", row_tiles=rt,
                     num_warps=rt + 3)
     return dict(base, name=f"sglang-gpu-{role}", block_n=16, num_warps=8, stages=3, row_tiles=2 if role == "verify" else 1)
+
+
+def gpu_case_keys() -> set:
+    """The keys of every GPU case: bf16 verify (tree, chain = causal) and decode on rowblock; dimsplit_t verify (tree,
+    chain); e4m3 pools: dimsplit verify (tree) and decode, dimsplit_t verify (tree); the fp8-checkpoint and DP-padded
+    cases use the H8 tree verify key."""
+    keys = set()
+    for H in H_LIST:
+        for ps in PAGE_SIZES:
+            keys |= {case_key("verify", H, ps, "tree"), case_key("verify", H, ps, "causal"),
+                     case_key("decode", H, ps, "causal")}
+            keys |= {case_key("verify", H, ps, m, schedule="dimsplit_t") for m in ("tree", "causal")}
+            keys |= {case_key("verify", H, ps, "tree", kv_fp8=True), case_key("decode", H, ps, "causal", kv_fp8=True)}
+            keys.add(case_key("verify", H, ps, "tree", kv_fp8=True, schedule="dimsplit_t"))
+    return keys
+
+
+class _UnionSpec:
+    """The variants of several one-module specs as one spec for :func:`mlagen.build.build` (its name and variants)."""
+
+    name = "sglang-gpu-cases"
+
+    def __init__(self, specs):
+        from mlagen.spec import parse_spec
+
+        self._variants = [v for s in specs for v in parse_spec(s).variants()]
+
+    def variants(self):
+        return list(self._variants)
+
+
+def prebuild_keys(only: tuple = ()) -> list:
+    """The case keys :func:`prebuild` compiles: every one, or those holding every item of ``only``; sorted."""
+    return sorted(k for k in gpu_case_keys() if all(x in k for x in only))
+
+
+def prebuild(arch: str, jobs: int | None, only: tuple = ()) -> int:
+    """Compile the GPU cases' modules for ``arch`` in one build of ``jobs`` parallel compiles: every case key's, or
+    those of the keys holding every item of ``only`` (e.g. ("fp8_e4m3",), (16, 64)). Returns how many variants are
+    built (cached ones included). Raises mlagen.build.BuildError when one fails."""
+    from mlagen.build import BuildError, build
+
+    rep = build(_UnionSpec([spec_for(k, arch) for k in prebuild_keys(only)]), jobs=jobs)
+    if rep.failed:
+        raise BuildError("; ".join(f"{v.uri}: {msg}" for v, msg in rep.failed))
+    return len(rep.built)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="compile the modules of tests/test_sglang_backend_gpu.py's cases")
+    ap.add_argument("--arch", help="sm_90 / sm_120 (default: the current GPU's)")
+    ap.add_argument("-j", "--jobs", type=int, default=None)
+    ap.add_argument("--only", action="append", default=[],
+                    help="build only the case keys holding this item (repeatable; ints are heads / page sizes), "
+                         "e.g. --only fp8_e4m3 --only 16")
+    a = ap.parse_args()
+    only = tuple(int(x) if x.isdigit() else x for x in a.only)
+    arch = a.arch
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU: pass --arch")
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}"
+    print(f"built {prebuild(arch, a.jobs, only)} variants for {arch}")

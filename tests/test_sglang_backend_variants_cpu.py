@@ -5,27 +5,13 @@ import pytest
 
 from mlagen.feasibility import infeasible_reason
 from mlagen.spec import parse_spec
-from sglang_gpu_variants import H_LIST, PAGE_SIZES, Q_TREE, case_key, spec_for, variant_key
-
-
-def _gpu_case_keys() -> set:
-    """The keys of every GPU case: bf16 verify (tree, chain = causal) and decode on rowblock; dimsplit_t verify (tree,
-    chain); e4m3 pools: dimsplit verify (tree) and decode, dimsplit_t verify (tree); the fp8-checkpoint and DP-padded
-    cases use the H8 tree verify key."""
-    keys = set()
-    for H in H_LIST:
-        for ps in PAGE_SIZES:
-            keys |= {case_key("verify", H, ps, "tree"), case_key("verify", H, ps, "causal"),
-                     case_key("decode", H, ps, "causal")}
-            keys |= {case_key("verify", H, ps, m, schedule="dimsplit_t") for m in ("tree", "causal")}
-            keys |= {case_key("verify", H, ps, "tree", kv_fp8=True), case_key("decode", H, ps, "causal", kv_fp8=True)}
-            keys.add(case_key("verify", H, ps, "tree", kv_fp8=True, schedule="dimsplit_t"))
-    return keys
+from sglang_gpu_variants import (H_LIST, PAGE_SIZES, Q_TREE, _UnionSpec, gpu_case_keys, prebuild_keys, spec_for,
+                                 variant_key)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_every_gpu_case_key_builds_one_feasible_variant_that_serves_it(arch):
-    keys = _gpu_case_keys()
+    keys = gpu_case_keys()
     assert len(keys) == len(H_LIST) * len(PAGE_SIZES) * 8
     for key in keys:
         vs = parse_spec(spec_for(key, arch)).variants()
@@ -40,3 +26,20 @@ def test_every_gpu_case_key_builds_one_feasible_variant_that_serves_it(arch):
 def test_an_unknown_case_key_is_a_key_error(key):
     with pytest.raises(KeyError):
         spec_for(key, "sm_90")
+
+
+def test_the_prebuild_spec_holds_every_case_module_once():
+    """``python3 tests/sglang_gpu_variants.py`` builds one union spec: every case key's variant, each once."""
+    keys = gpu_case_keys()
+    vs = _UnionSpec([spec_for(k, "sm_90") for k in sorted(keys)]).variants()
+    assert len(vs) == len(keys) and len({v.uri for v in vs}) == len(keys)
+    assert {variant_key(v) for v in vs} == keys
+
+
+def test_prebuild_only_selects_the_keys_holding_every_item():
+    """``--only fp8_e4m3 --only 16``: the H16 e4m3 keys (verify on dimsplit and dimsplit_t, decode; both page sizes)."""
+    assert prebuild_keys() == sorted(gpu_case_keys())
+    fp8_h16 = prebuild_keys(("fp8_e4m3", 16))
+    assert len(fp8_h16) == 3 * len(PAGE_SIZES)
+    assert all("fp8_e4m3" in k and k[1] == 16 for k in fp8_h16)
+    assert prebuild_keys(("fp8_e5m2",)) == []
