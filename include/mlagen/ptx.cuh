@@ -6,6 +6,12 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+// MLAGEN_MBAR_WAIT 0 (every shipped build): mbarrier waits loop on try_wait, which may suspend the thread until the
+// phase completes; 1: a test_wait spin, for A/B timing (tools/device_ab_define.py).
+#ifndef MLAGEN_MBAR_WAIT
+#define MLAGEN_MBAR_WAIT 0
+#endif
+
 namespace mlagen {
 namespace ptx {
 
@@ -71,6 +77,17 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 
 // Blocks until the phase with parity `phase` of `bar` has completed (acquire at CTA scope).
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t phase) {
+#if MLAGEN_MBAR_WAIT == 1  // diagnostic: a test_wait spin (never suspends the thread)
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(phase)
+      : "memory");
+#else
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -80,6 +97,7 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t pha
       "}\n" ::"r"(smem_u32(bar)),
       "r"(phase)
       : "memory");
+#endif
 }
 
 // Bulk copy of `bytes` (multiple of 16; 16-byte aligned addresses) global -> shared; completion
