@@ -120,28 +120,35 @@ def nvcc_flags(v: Variant) -> list[str]:
 def compile_diagnostic(v: Variant, source: str, module: str, out_dir: Path) -> Path:
     """Compile a diagnostic build of ``v`` (tools/device_ablate.py, tools/device_ab_define.py): ``source`` (the
     rendered module, with its ``#define`` lines ahead) as ``out_dir/<module>.cu`` into ``out_dir/<module><ext>``.
-    The source is written only when its text changed (the old module is then removed), and nvcc runs only when the
-    module is missing, so a second run of the same builds (e.g. after a parallel ``--build-only`` pass) compiles
-    nothing. nvcc writes a temporary file that replaces the module when it succeeds: an interrupted compile leaves
-    no module behind.
+    nvcc runs only when the module is missing or its build key changed: the key is the registry's
+    (:func:`mlagen.codegen.source_hash`: the source, every kernel header, the nvcc flags and nvcc's version), kept
+    in ``<module>.key`` beside it. So a second run of the same builds (e.g. after a parallel ``--build-only`` pass)
+    compiles nothing, and an edited header or another arch rebuilds. nvcc writes a temporary file that replaces the
+    module when it succeeds; the key is written after it, so an interrupted compile leaves no module that looks built.
 
     Returns:
         The path of the compiled module.
     Raises:
         RuntimeError: nvcc failed (the tail of its output in the message); no module is left.
     """
+    from mlagen.codegen import source_hash  # (codegen does not import this module: no cycle)
+
+    flags = nvcc_flags(v)
     src, so = out_dir / f"{module}.cu", out_dir / f"{module}{ext_suffix()}"
-    if not src.exists() or src.read_text() != source:
-        so.unlink(missing_ok=True)
-        src.write_text(source)
-    if so.exists():
+    stamp = out_dir / f"{module}.key"
+    key = source_hash(source, flags, nvcc_version())
+    if so.exists() and stamp.exists() and stamp.read_text() == key and src.exists() and src.read_text() == source:
         return so
+    so.unlink(missing_ok=True)
+    stamp.unlink(missing_ok=True)
+    src.write_text(source)
     tmp = out_dir / f"{module}.partial{ext_suffix()}"
-    r = subprocess.run([nvcc_path(), *nvcc_flags(v), str(src), "-o", str(tmp)], capture_output=True, text=True)
+    r = subprocess.run([nvcc_path(), *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
     if r.returncode != 0 or not tmp.exists():
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"nvcc failed for {module}:\n{(r.stderr or r.stdout)[-3000:]}")
     os.replace(tmp, so)
+    stamp.write_text(key)
     return so
 
 

@@ -312,22 +312,28 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
         assert ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8 and ("cvt.rn.satfinite.e4m3x2" in ptx) == fp8
 
 
-def test_compile_diagnostic_compiles_once_per_source_and_leaves_no_module_on_failure(tmp_path, monkeypatch):
+def test_compile_diagnostic_compiles_once_per_build_key_and_leaves_no_module_on_failure(tmp_path, monkeypatch):
     """mlagen.ninja_gen.compile_diagnostic (the diagnostic tools' builds): the same source twice runs nvcc once; a
-    changed source runs it again; a failed compile raises with nvcc's output and leaves no module (nor the
-    temporary one) behind."""
+    changed source, an edited kernel header or another arch runs it again; a failed compile raises with nvcc's
+    output and leaves no module (nor the temporary one) behind."""
     import dataclasses
 
     from mlagen.spec import Variant
 
     calls = tmp_path / "calls"
     nvcc = tmp_path / "nvcc"
-    nvcc.write_text("#!/usr/bin/env bash\necho x >> " + str(calls) + "\n"
+    nvcc.write_text("#!/usr/bin/env bash\n"
+                    "[ \"$1\" = --version ] && { echo 'Cuda compilation tools, release 13.0, V13.0.0'; exit 0; }\n"
+                    "echo x >> " + str(calls) + "\n"
                     "for a; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
                     "grep -q FAIL \"${@: -3:1}\" && { echo 'error: bad source' >&2; exit 2; }\n"
                     "echo built > \"$out\"\n")
     nvcc.chmod(0o755)
     monkeypatch.setattr(ninja_gen, "nvcc_path", lambda: str(nvcc))
+    include = tmp_path / "include"
+    (include / "mlagen").mkdir(parents=True)
+    (include / "mlagen" / "h.cuh").write_text("// v1\n")
+    monkeypatch.setattr(paths, "INCLUDE_DIR", include)
     v = dataclasses.replace(Variant.from_uri("mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_"
                                              "sm120_sm90"), archs=("sm_90",))
     n = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
@@ -338,6 +344,11 @@ def test_compile_diagnostic_compiles_once_per_source_and_leaves_no_module_on_fai
     assert ninja_gen.compile_diagnostic(v, "#define A 1\n", "m", out) == so and n() == 1
     ninja_gen.compile_diagnostic(v, "#define A 2\n", "m", out)
     assert n() == 2
+    (include / "mlagen" / "h.cuh").write_text("// v2\n")
+    ninja_gen.compile_diagnostic(v, "#define A 2\n", "m", out)
+    assert n() == 3
+    ninja_gen.compile_diagnostic(dataclasses.replace(v, archs=("sm_120",)), "#define A 2\n", "m", out)
+    assert n() == 4
     with pytest.raises(RuntimeError, match="bad source"):
         ninja_gen.compile_diagnostic(v, "#define FAIL 1\n", "m", out)
     assert not so.exists() and not list(out.glob("*partial*"))
