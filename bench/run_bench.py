@@ -127,7 +127,8 @@ def _parse(argv=None) -> argparse.Namespace:
                     "Hopper only; with --smem-per-sm: fa2@sm120 only)")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fastest verified dtype fp8_e4m3 variant on the same problem with its KV cast "
-                         "to e4m3 (columns: µs, x the fastest bf16 time of its schedule, fraction of the fp8 floor)")
+                         "to e4m3 (columns: µs, x the fastest bf16 time of its schedule, fraction of the fp8 memory floor and of "
+                         "the fp8 roofline floor)")
     ap.add_argument("--build-only", action="store_true",
                     help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -302,7 +303,8 @@ def _measure_shape(shape, kernels, ceil, ok_sgl, fi_cols=(), fi_smem=SM120_SMEM_
 def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, sglang: bool = False) -> dict:
     """fp8 columns of a row: the fastest verified e4m3 variant on ``p`` with its KV cast to e4m3, its ratio
     to the fastest bf16 candidate of the same row on its schedule (the issue's "same schedule"), its fraction of the
-    fp8 floor (KV bytes halved). ``sglang``: also SGLang's Triton verify kernel (``extend_attention_fwd``)
+    fp8 memory floor (minimum bytes, KV at one byte per element, over the measured copy bandwidth) and of the fp8
+    roofline floor (the larger of that and the MMA term, which fp8 does not shrink: q and P stay bf16). ``sglang``: also SGLang's Triton verify kernel (``extend_attention_fwd``)
     on the same e4m3 pool, µs, and the max |Triton - fp32 reference| and |mlagen - fp32 reference| on it
     (Triton rounds q and P to e4m3; mlagen keeps them bf16)."""
     H, q, bs, ctx = p["H"], p["q_len"], p["bs"], p["ctx"]
@@ -311,8 +313,10 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
     uri = min(times, key=times.get)
     us = times[uri]
     nbytes = verify_bytes(H, q, bs, ctx, kv_bytes=1)
-    floor = max(nbytes / (ceil["copy_gbs"] * 1e3), verify_flops(H, q, bs, ctx) / (ceil["mma_tflops"] * 1e6))
-    res = dict(fp8_uri=uri, fp8_us=us, fp8_floor_us=floor, fp8_frac_floor=floor / us, fp8_candidates=times)
+    mem_floor = nbytes / (ceil["copy_gbs"] * 1e3)
+    floor = max(mem_floor, verify_flops(H, q, bs, ctx) / (ceil["mma_tflops"] * 1e6))
+    res = dict(fp8_uri=uri, fp8_us=us, fp8_floor_us=floor, fp8_frac_floor=floor / us, fp8_mem_floor_us=mem_floor,
+               fp8_frac_mem_floor=mem_floor / us, fp8_candidates=times)
     schedule = Variant.from_uri(uri).schedule
     same = {u: t for u, t in bf16_times.items() if Variant.from_uri(u).schedule == schedule}
     if same:
@@ -580,7 +584,9 @@ def _fmt(r: dict) -> str:
         s += (f" | fp8 {_tile(r['fp8_uri'])} {r['fp8_us']:7.1f} us"
               + (f" ({r['fp8_over_bf16_schedule']:.2f}x bf16 {r['fp8_schedule']})" if "fp8_over_bf16_schedule" in r
                  else "")
-              + f" {r['fp8_frac_floor']:.2f} of fp8 floor ({r['fp8_floor_us']:.1f} us)")
+              + (f" {r['fp8_frac_mem_floor']:.2f} of the fp8 memory floor ({r['fp8_mem_floor_us']:.1f} us;"
+                 f" roofline {r['fp8_floor_us']:.1f} us: {r['fp8_frac_floor']:.2f})" if "fp8_mem_floor_us" in r
+                 else f" {r['fp8_frac_floor']:.2f} of fp8 floor ({r['fp8_floor_us']:.1f} us)"))
         if "fp8_sglang_verify_us" in r:
             s += (f" | triton fp8 verify {r['fp8_sglang_verify_us']:9.1f} us "
                   f"({r['fp8_sglang_verify_us'] / r['fp8_us']:6.1f}x), max err vs fp32 ref triton "

@@ -401,8 +401,12 @@ def test_fp8_sweep_columns_and_problem():
     r = dict(H=8, q_len=9, bs=1, ctx=65536, page_size=1, mlagen_uri=v.uri.replace("fp8e4m3", "bf16"),
              mlagen_us=84.0, gbs=900.0, frac_floor=0.21, floor_us=18.1, fp8_uri=v.uri, fp8_us=70.0,
              fp8_schedule="dimsplit", fp8_over_bf16_schedule=70.0 / 84.0, fp8_frac_floor=0.13, fp8_floor_us=9.1)
-    text = run_bench._fmt(r)
+    text = run_bench._fmt(r)  # a row of an older bench.json (one floor)
     assert "| fp8 lw128_bn32_w8_rt5_st3_dimsplit_fp8    70.0 us (0.83x bf16 dimsplit) 0.13 of fp8 floor (9.1 us)" in text
+    r.update(fp8_mem_floor_us=9.0, fp8_frac_mem_floor=9.0 / 70.0, fp8_floor_us=16.1, fp8_frac_floor=16.1 / 70.0)
+    text = run_bench._fmt(r)  # the memory floor and the roofline (MMA-bound at H8 q9), both
+    assert ("| fp8 lw128_bn32_w8_rt5_st3_dimsplit_fp8    70.0 us (0.83x bf16 dimsplit) 0.13 of the fp8 memory floor "
+            "(9.0 us; roofline 16.1 us: 0.23)") in text
 
 
 def test_fp8_triton_column_and_extend_args():
