@@ -123,32 +123,42 @@ def compile_diagnostic(v: Variant, source: str, module: str, out_dir: Path) -> P
     nvcc runs only when the module is missing or its build key changed: the key is the registry's
     (:func:`mlagen.codegen.source_hash`: the source, every kernel header, the nvcc flags and nvcc's version), kept
     in ``<module>.key`` beside it. So a second run of the same builds (e.g. after a parallel ``--build-only`` pass)
-    compiles nothing, and an edited header or another arch rebuilds. nvcc writes a temporary file that replaces the
-    module when it succeeds; the key is written after it, so an interrupted compile leaves no module that looks built.
+    compiles nothing, and an edited header or another arch rebuilds. One process at a time builds a module
+    (``<module>.lock``); nvcc writes a temporary file of its own that replaces the module when it succeeds, and the
+    key is written after it, so an interrupted compile leaves no module that looks built.
 
     Returns:
         The path of the compiled module.
     Raises:
         RuntimeError: nvcc failed (the tail of its output in the message); no module is left.
     """
-    from mlagen.codegen import source_hash  # (codegen does not import this module: no cycle)
+    import tempfile
+
+    from filelock import FileLock
+
+    from mlagen.codegen import source_hash, write_if_changed  # (codegen does not import this module: no cycle)
 
     flags = nvcc_flags(v)
     src, so = out_dir / f"{module}.cu", out_dir / f"{module}{ext_suffix()}"
     stamp = out_dir / f"{module}.key"
     key = source_hash(source, flags, nvcc_version())
-    if so.exists() and stamp.exists() and stamp.read_text() == key and src.exists() and src.read_text() == source:
-        return so
-    so.unlink(missing_ok=True)
-    stamp.unlink(missing_ok=True)
-    src.write_text(source)
-    tmp = out_dir / f"{module}.partial{ext_suffix()}"
-    r = subprocess.run([nvcc_path(), *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
-    if r.returncode != 0 or not tmp.exists():
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"nvcc failed for {module}:\n{(r.stderr or r.stdout)[-3000:]}")
-    os.replace(tmp, so)
-    stamp.write_text(key)
+    with FileLock(str(out_dir / f"{module}.lock")):
+        if so.exists() and stamp.exists() and stamp.read_text() == key and src.exists() and src.read_text() == source:
+            return so
+        so.unlink(missing_ok=True)
+        stamp.unlink(missing_ok=True)
+        write_if_changed(src, source)
+        fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f"{module}.", suffix=f".partial{ext_suffix()}")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            r = subprocess.run([nvcc_path(), *flags, str(src), "-o", str(tmp)], capture_output=True, text=True)
+            if r.returncode != 0 or not tmp.stat().st_size:
+                raise RuntimeError(f"nvcc failed for {module}:\n{(r.stderr or r.stdout)[-3000:]}")
+            os.replace(tmp, so)
+        finally:
+            tmp.unlink(missing_ok=True)
+        stamp.write_text(key)
     return so
 
 

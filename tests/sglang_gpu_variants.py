@@ -93,23 +93,37 @@ def prebuild(arch: str, jobs: int | None, only: tuple = ()) -> int:
     return len(rep.built)
 
 
-if __name__ == "__main__":
+ARCH_OF_MAJOR = {9: "sm_90", 12: "sm_120"}  # as tests/conftest.py's gpu_arch fixture maps a GPU to mlagen's arch
+
+
+def main(argv=None) -> int:
+    """``python3 tests/sglang_gpu_variants.py``: compile the GPU cases' modules (see the module docstring)."""
     import argparse
 
     ap = argparse.ArgumentParser(description="compile the modules of tests/test_sglang_backend_gpu.py's cases")
-    ap.add_argument("--arch", help="sm_90 / sm_120 (default: the current GPU's)")
+    ap.add_argument("--arch", choices=sorted(ARCH_OF_MAJOR.values()), help="default: the current GPU's")
     ap.add_argument("-j", "--jobs", type=int, default=None)
     ap.add_argument("--only", action="append", default=[],
-                    help="build only the case keys holding this item (repeatable; ints are heads / page sizes), "
-                         "e.g. --only fp8_e4m3 --only 16")
-    a = ap.parse_args()
+                    help="build only the case keys holding this item (repeatable): verify / decode, a head count "
+                         "(8, 16), a page size (1, 64), tree / causal, fp8_e4m3, dimsplit_t; e.g. --only fp8_e4m3 --only 16")
+    a = ap.parse_args(argv)
     only = tuple(int(x) if x.isdigit() else x for x in a.only)
+    if not prebuild_keys(only):
+        items = sorted({str(x) for k in gpu_case_keys() for x in k})
+        ap.error(f"no case key holds all of {list(a.only)}; items: {', '.join(items)}")
     arch = a.arch
     if arch is None:
         import torch
 
         if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU: pass --arch")
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm_{major}{minor}"
+            ap.error("no CUDA GPU here: pass --arch")
+        major, _ = torch.cuda.get_device_capability()
+        if major not in ARCH_OF_MAJOR:
+            ap.error(f"no mlagen arch for compute capability {major}.x")
+        arch = ARCH_OF_MAJOR[major]
     print(f"built {prebuild(arch, a.jobs, only)} variants for {arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

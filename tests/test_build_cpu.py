@@ -1,5 +1,6 @@
 """Codegen, ninja generation and a real nvcc build (sm_120 + sm_90) without a GPU."""
 
+import os
 import re
 from pathlib import Path
 
@@ -326,6 +327,7 @@ def test_compile_diagnostic_compiles_once_per_build_key_and_leaves_no_module_on_
                     "[ \"$1\" = --version ] && { echo 'Cuda compilation tools, release 13.0, V13.0.0'; exit 0; }\n"
                     "echo x >> " + str(calls) + "\n"
                     "for a; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
+                    "echo partial > \"$out\"\n"
                     "grep -q FAIL \"${@: -3:1}\" && { echo 'error: bad source' >&2; exit 2; }\n"
                     "echo built > \"$out\"\n")
     nvcc.chmod(0o755)
@@ -349,6 +351,41 @@ def test_compile_diagnostic_compiles_once_per_build_key_and_leaves_no_module_on_
     assert n() == 3
     ninja_gen.compile_diagnostic(dataclasses.replace(v, archs=("sm_120",)), "#define A 2\n", "m", out)
     assert n() == 4
-    with pytest.raises(RuntimeError, match="bad source"):
+    with pytest.raises(RuntimeError, match="bad source"):  # nvcc wrote part of its output, then failed
         ninja_gen.compile_diagnostic(v, "#define FAIL 1\n", "m", out)
     assert not so.exists() and not list(out.glob("*partial*"))
+    with pytest.raises(RuntimeError, match="bad source"):  # the same failing source again: nvcc runs again
+        ninja_gen.compile_diagnostic(v, "#define FAIL 1\n", "m", out)
+    assert n() == 6 and not so.exists()
+
+
+def test_compile_diagnostic_two_processes_build_a_module_once(tmp_path):
+    """Two processes asking for the same diagnostic module at once (e.g. two tools' --build-only passes that share
+    the full-kernel build): one compiles under the module's lock, the other waits and reuses it; the module is the
+    complete output, not a torn one."""
+    import subprocess
+    import sys
+
+    calls = tmp_path / "calls"
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/usr/bin/env bash\n"
+                    "[ \"$1\" = --version ] && { echo 'Cuda compilation tools, release 13.0, V13.0.0'; exit 0; }\n"
+                    "echo x >> " + str(calls) + "\n"
+                    "for a; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
+                    "echo start > \"$out\"; sleep 1; echo end >> \"$out\"\n")
+    nvcc.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    code = ("import dataclasses, sys; from pathlib import Path; from mlagen import ninja_gen; "
+            "from mlagen.spec import Variant; "
+            "v = dataclasses.replace(Variant.from_uri('mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_"
+            "tree_bf16_sm120_sm90'), archs=('sm_90',)); "
+            "print(ninja_gen.compile_diagnostic(v, '#define A 1\\n', 'm', Path(sys.argv[1])).read_text())")
+    env = dict(os.environ, CUDA_HOME=str(tmp_path / "cuda"))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    assert [r[0] for r in results] == ["start\nend\n\n"] * 2
+    assert len(calls.read_text().splitlines()) == 1

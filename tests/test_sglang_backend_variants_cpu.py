@@ -5,8 +5,8 @@ import pytest
 
 from mlagen.feasibility import infeasible_reason
 from mlagen.spec import parse_spec
-from sglang_gpu_variants import (H_LIST, PAGE_SIZES, Q_TREE, _UnionSpec, gpu_case_keys, prebuild_keys, spec_for,
-                                 variant_key)
+from sglang_gpu_variants import (H_LIST, PAGE_SIZES, Q_TREE, _UnionSpec, gpu_case_keys, main, prebuild_keys,
+                                 spec_for, variant_key)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
@@ -43,3 +43,14 @@ def test_prebuild_only_selects_the_keys_holding_every_item():
     assert len(fp8_h16) == 3 * len(PAGE_SIZES)
     assert all("fp8_e4m3" in k and k[1] == 16 for k in fp8_h16)
     assert prebuild_keys(("fp8_e5m2",)) == []
+
+
+@pytest.mark.parametrize("argv, msg", [(["--arch", "sm_90", "--only", "fp8"], "no case key holds all of ['fp8']"),
+                                       (["--arch", "sm_90", "--only", "chain"], "items: "),
+                                       (["--arch", "sm90"], "invalid choice")])
+def test_prebuild_refuses_a_selection_of_nothing_and_unknown_archs(argv, msg, capsys):
+    """The prebuild script exits 2 with one line, before any build, for an --only that selects no case (else the GPU
+    test would quietly compile its modules one at a time) and for an arch mlagen does not build."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -80,7 +80,7 @@ def main() -> int:
                  f"{a.uri} has none")
     masks = {0: MASKS[0]} | {m: MASKS[m] for m in picked}
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU; nothing measured")
+        print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured")
         return 1
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"  # (--build-only too: the device's arch, the one the timing run builds)

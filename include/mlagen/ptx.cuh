@@ -11,6 +11,9 @@
 #ifndef MLAGEN_MBAR_WAIT
 #define MLAGEN_MBAR_WAIT 0
 #endif
+#if MLAGEN_MBAR_WAIT != 0 && MLAGEN_MBAR_WAIT != 1
+#error "MLAGEN_MBAR_WAIT must be 0 (try_wait) or 1 (test_wait spin)"
+#endif
 
 namespace mlagen {
 namespace ptx {
