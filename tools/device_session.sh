@@ -5,7 +5,9 @@
 #         step, compute-sanitizer memcheck of MEMCHECK_URIS (space-separated) and, with ABLATE_URI, the phase
 #         ablation at CONTEXTS ≈ 6-9 min; bench (small grid + SGLang backend test) ≈ 5-8 min;
 #   grid: HEADS=8 (or 16,64) [BATCHES=.. PAGE_SIZES=.. CONTEXTS=..] bench/run_bench.py --grid full for those
-#         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step);
+#         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step): its 36
+#         cases take ~9 min on an H200 after a ~1.5 min parallel prebuild, so split them over two calls with
+#         SGL_K (pytest -k) and SGL_ONLY (the prebuild's --only items), e.g. SGL_K="not fp8" then SGL_K=fp8 SGL_ONLY=fp8_e4m3;
 #   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
 #   release2 (2 GPUs): KERNELS=globs MEMCHECK_URIS=.. SGLang backend test + backend_step + memcheck on GPU 0, the
 #         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
@@ -36,9 +38,12 @@ SAN="compute-sanitizer --launch-timeout 120"
 RELEASE_KERNELS="*_lw128_bn32_w8_rt3_st[34]_dimsplit_t_*,*_lw128_bn32_w6_rt1_st[34]_dimsplit_t_*,*_lw128_bn32_w8_rt[56]_st3_dimsplit_tree*,*_lwbulk_bn32_w8_rt[12]_st2_tree*,*_lwbulk_bn32_w16_rt1_st2_causal*"
 sglang_test() {
   python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
+  # every case's module in one parallel build first (built one at a time on first use, the 32 modules alone take
+  # longer than a device call); SGL_ONLY="fp8_e4m3" (prebuild --only items) with SGL_K="fp8" (pytest -k) runs a part
+  step sglang_prebuild 300 python3 tests/sglang_gpu_variants.py -j "$(nproc)" $(for x in ${SGL_ONLY:-}; do echo --only "$x"; done)
   step pytest_metadata 150 python3 -m pytest -m gpu -q -rs tests/test_metadata_gpu.py  # the fused per-step metadata
-  step pytest_sglang "${SGL_LIMIT:-240}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \
-    python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py
+  step pytest_sglang "${SGL_LIMIT:-480}" env MLAGEN_SGLANG_REPLAYS="${REPLAYS:-1000}" \
+    python3 -m pytest -m gpu -q -rs -s tests/test_sglang_backend_gpu.py ${SGL_K:+-k "$SGL_K"}
   grep -E "mlagen vs triton|Error|error|FAILED|SKIPPED" "$OUT/pytest_sglang.log" | head -30
   if grep -q "passed" "$OUT/pytest_sglang.log"; then
     step backend_step "${STEP_LIMIT:-150}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 ${STEP_ARGS:-}
