@@ -127,8 +127,8 @@ def _parse(argv=None) -> argparse.Namespace:
                     "Hopper only; with --smem-per-sm: fa2@sm120 only)")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fastest verified dtype fp8_e4m3 variant on the same problem with its KV cast "
-                         "to e4m3 (columns: µs, x the fastest bf16 time of its schedule, fraction of the fp8 memory floor and of "
-                         "the fp8 roofline floor)")
+                         "to e4m3 (columns: µs, x the fastest bf16 time of its schedule, fraction of the fp8 memory "
+                         "floor and of the fp8 roofline floor)")
     ap.add_argument("--build-only", action="store_true",
                     help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -304,9 +304,10 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
     """fp8 columns of a row: the fastest verified e4m3 variant on ``p`` with its KV cast to e4m3, its ratio
     to the fastest bf16 candidate of the same row on its schedule (the issue's "same schedule"), its fraction of the
     fp8 memory floor (minimum bytes, KV at one byte per element, over the measured copy bandwidth) and of the fp8
-    roofline floor (the larger of that and the MMA term, which fp8 does not shrink: q and P stay bf16). ``sglang``: also SGLang's Triton verify kernel (``extend_attention_fwd``)
-    on the same e4m3 pool, µs, and the max |Triton - fp32 reference| and |mlagen - fp32 reference| on it
-    (Triton rounds q and P to e4m3; mlagen keeps them bf16)."""
+    roofline floor (the larger of that and the MMA term, which fp8 does not shrink: q and P stay bf16). ``sglang``:
+    also SGLang's Triton verify kernel (``extend_attention_fwd``) on the same e4m3 pool, µs, and the max
+    |Triton - fp32 reference| and |mlagen - fp32 reference| on it (Triton rounds q and P to e4m3; mlagen keeps them
+    bf16)."""
     H, q, bs, ctx = p["H"], p["q_len"], p["bs"], p["ctx"]
     pf = fp8_problem(p)
     times = {k.variant.uri: time_mlagen(pf, k) for k in ks if k.variant.nsplit == "auto"}

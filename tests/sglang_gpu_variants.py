@@ -3,7 +3,7 @@
 
 Run as a script, it compiles every case's module in one parallel build first (the test then finds them built):
 
-    python3 tests/sglang_gpu_variants.py [--arch sm_90] [-j 16]
+    python3 tests/sglang_gpu_variants.py [--arch sm_90] [-j 16] [--only fp8_e4m3 --only 16 ...]
 """
 
 from mlagen.feasibility import dimsplit_row_tiles, dimsplit_t_num_warps, dimsplit_t_row_tiles

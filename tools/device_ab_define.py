@@ -37,7 +37,7 @@ from mlagen.spec import Variant  # noqa: E402
 
 def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
     """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines`` (nothing
-    recompiled when its source is unchanged)."""
+    recompiled while its build key is unchanged: mlagen.ninja_gen.compile_diagnostic)."""
     mod = v.build_key + "".join(f"_{name.lower()}_{value}" for name, value in defines)
     src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
     return mod, compile_diagnostic(v, src, mod, out_dir)

@@ -46,7 +46,8 @@ def module_name(v: Variant, mask: int) -> str:
 
 
 def build(v: Variant, mask: int, out_dir: Path) -> Path:
-    """The ablation ``mask`` of ``v`` compiled into ``out_dir`` (nothing recompiled when its source is unchanged)."""
+    """The ablation ``mask`` of ``v`` compiled into ``out_dir`` (nothing recompiled while its build key is unchanged:
+    mlagen.ninja_gen.compile_diagnostic)."""
     mod = module_name(v, mask)
     return compile_diagnostic(v, f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v, mod), mod, out_dir)
 
