@@ -525,10 +525,14 @@ def test_device_profile_needs_a_gpu_in_one_line():
     ("2,x", "comma-separated integers expected", None), ("2,3", "no ablation [3]", None),
     ("64", "drop the e4m3 conversion of an fp8_e4m3 dimsplit_t build",  # the default uri is a bf16 rowblock one
      None),
-    ("8", "uri:", "not_a_uri")])
+    ("8", "uri:", "not_a_uri"),
+    ("303", "drops the page-table loads of the bf16 dimsplit / dimsplit_t producer", None),  # rowblock: no such loads
+    ("256", "drops the page-table loads",
+     "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90")])
 def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg, uri):
     """tools/device_ablate.py --masks: a non-integer, an unknown mask, an fp8-conversion mask on a build without the
-    conversion, or a bad uri stops with one line, before the GPU check and before any build."""
+    conversion, a page-table mask on a build whose producer has no such loads, or a bad uri stops with one line,
+    before the GPU check and before any build."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"), *([uri] if uri else []),
                         "--masks", masks], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

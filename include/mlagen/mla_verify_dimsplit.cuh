@@ -290,6 +290,9 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
   };
   auto page_of = [&](int tile) -> int32_t {  // the page-table entry (0 when the row does not come from the table)
     const int pos = pos_of(tile);
+    if constexpr (kAblate & kAblateTable) {  // diagnostic: no table load, the entry that makes pos its own slot
+      return from_table(pos) ? (batch_is_direct(p) ? pos : pos / Cfg::kPageSize) : 0;
+    }
     return from_table(pos) ? table_entry<Cfg::kPageSize>(p, page_row, pos) : 0;
   };
   auto addr_of = [&](int tile, int32_t page) -> int64_t {  // row address (mla_verify_new_kv.cuh), kNoSlot past kv_len

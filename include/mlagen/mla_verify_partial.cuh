@@ -28,7 +28,8 @@
 // Diagnostic builds only (tools/device_ablate.py): MLAGEN_ABLATE drops phases of the main loop so
 // that timing differences show what each costs. The output is then wrong. Bits: 1 KV loads (and
 // their waits), 2 Q K^T MMAs, 4 softmax pass, 8 P V MMAs, 16 the two barriers inside a tile, 32 the dimsplit_t
-// score exchange between the cluster's CTAs (st.async and its waits).
+// score exchange between the cluster's CTAs (st.async and its waits), 256 the bf16 cluster producer's page-table loads
+// (dimsplit_produce_bf16 takes the position as the cache slot).
 // 0 (the default, every shipped build) compiles to the full kernel.
 #ifndef MLAGEN_ABLATE
 #define MLAGEN_ABLATE 0
@@ -41,7 +42,10 @@ inline constexpr int kAblateLoads = 1, kAblateScores = 2, kAblateSoftmax = 4, kA
                      kAblateExchange = 32,
                      // e4m3 dimsplit_t: no e4m3 -> bf16 conversion (the output warps still pass its barriers); no wait
                      // for the bf16 stage's release before converting (races: a timing diagnostic only)
-                     kAblateConvert = 64, kAblateConvertWait = 128;
+                     kAblateConvert = 64, kAblateConvertWait = 128,
+                     // the bf16 cluster producer reads no page table: position pos is its slot (wrong rows; with
+                     // kAblateLoads only the L2 prefetch addresses them)
+                     kAblateTable = 256;
 
 // Zeroes an array of mma accumulator fragments, [tiles][n tiles][4] fp32.
 template <int kA, int kB>
