@@ -87,11 +87,13 @@ def resources(v: Variant) -> Resources:
         smem_p = 2 * v.block_n * p_row * 2 + 2 * rows * 4 + rows * 4  # 2 P^T buffers, their rescale factors, row sums
         tree = v.mask == "tree"  # the request's tree rows (int64 per draft query) and their mbarrier
         smem_p += v.q_len * 8 if tree else 0
+        def bars(x_bufs: int) -> int:  # MlaDimSplitTConfig's dimsplit_t_num_bars (2 P^T buffers)
+            return (2 * cons_stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0) + tree
+                    + fp8_bars)
+
         # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
-        x_bufs = 2 if (smem_kv + 2 * xchg_buf + smem_p + (2 * cons_stages + fp8_bars + 2 * v.row_tiles + 4 + tree) * 8
-                       <= SMEM_LIMIT["sm_120"]) else 1
-        smem_bars = (2 * cons_stages + fp8_bars + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0)
-                     + tree) * 8
+        x_bufs = 2 if smem_kv + 2 * xchg_buf + smem_p + bars(2) * 8 <= SMEM_LIMIT["sm_120"] else 1
+        smem_bars = bars(x_bufs) * 8
         return Resources(smem_kv + x_bufs * xchg_buf + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":

@@ -410,8 +410,8 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
 // Draft rows taken from k_new (bf16) and tokens past kv_len are not loaded: the converters fill them. With
 // Cfg::kL2PrefetchTiles > 0, each lane first asks L2 for its token's lines of the tile that many ahead, as
 // dimsplit_produce_bf16 does: two 128-byte lines from the start of its 256-byte latent half and the line of its rope
-// half (a 576-byte row of an odd slot starts mid-line, so its latent half spans three lines and the third is not
-// asked for: docs/perf-notes.md v18, not yet timed).
+// half (a 576-byte row of an odd slot starts mid-line, so its latent half spans three lines; asking for the third
+// too gained nothing: docs/perf-notes.md v19).
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_fp8(const MlaVerifyParams& p, const int32_t* page_row, int kv_len,
                                                      int prefix_len, int tile_begin, int num_tiles, uint32_t rank,

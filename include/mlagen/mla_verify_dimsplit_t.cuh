@@ -99,6 +99,15 @@ __device__ __forceinline__ void dimsplit_t_convert_fp8_tile(const MlaVerifyParam
   }
 }
 
+// mbarriers of a dimsplit_t CTA with x_bufs score exchange buffers: full, empty [cons_stages]; exchange
+// [x_bufs][score_warps]; pfull, pempty [p_bufs]; with one exchange buffer, xempty [score_warps] (the peer's warp has
+// read this warp's last send); tree (the request's tree rows are in shared memory); fp8: full8, empty8 [fp8_bars / 2]
+// (the e4m3 ring). One count for the exchange-buffer choice and the layout (feasibility.py mirrors it).
+constexpr int dimsplit_t_num_bars(int x_bufs, int cons_stages, int score_warps, int p_bufs, bool tree_bar, int fp8_bars) {
+  return 2 * cons_stages + x_bufs * score_warps + 2 * p_bufs + (x_bufs == 1 ? score_warps : 0) + (tree_bar ? 1 : 0) +
+         fp8_bars;
+}
+
 template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPageSize_, int kLoadBits_, int kBlockN_,
           int kWarps_, int kRowTiles_, int kStages_, MaskKind kMask_, int kSmemLimit_ = kSmemLimitSm120,
           bool kKvFp8_ = false>
@@ -202,17 +211,13 @@ struct MlaDimSplitTConfig {
   // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
   // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
   static constexpr int kXchgBufBytes = kScoreWarps * kXchgFloatsPerWarp * 4;
-  static constexpr int kSmemWithTwoXBufs = kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats +
-                                           kSmemTree + (2 * kConsStages + kFp8Bars + 2 * kScoreWarps + 2 * kPBufs +
-                                                        (kTreeRowsSmem ? 1 : 0)) * 8;
+  static constexpr int kSmemWithTwoXBufs =
+      kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
+      dimsplit_t_num_bars(2, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars) * 8;
   static constexpr int kXBufs = kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
-  // full, empty [kConsStages]; exchange [kXBufs][kScoreWarps]; pfull, pempty [kPBufs]; with one exchange buffer,
-  // xempty [kScoreWarps] (the peer's warp has read this warp's last send); with kTreeRowsSmem, tree (the rows are
-  // in shared memory); fp8: full8, empty8 [kStages] (the e4m3 ring)
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
-  static constexpr int kNumBars =
-      2 * kConsStages + kXBufs * kScoreWarps + 2 * kPBufs + kXEmptyBars + (kTreeRowsSmem ? 1 : 0) + kFp8Bars;
+  static constexpr int kNumBars = dimsplit_t_num_bars(kXBufs, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars);
   static constexpr int kSmemBars = kNumBars * 8;
   static constexpr int kSmemBytes =
       kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars + kSmemFp8;

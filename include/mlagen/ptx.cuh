@@ -78,29 +78,22 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
+#if MLAGEN_MBAR_WAIT == 1  // diagnostic: a test_wait spin (never suspends the thread)
+#define MLAGEN_MBAR_WAIT_OP "test_wait"
+#else
+#define MLAGEN_MBAR_WAIT_OP "try_wait"
+#endif
 // Blocks until the phase with parity `phase` of `bar` has completed (acquire at CTA scope).
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t phase) {
-#if MLAGEN_MBAR_WAIT == 1  // diagnostic: a test_wait spin (never suspends the thread)
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT_%=:\n"
-      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier." MLAGEN_MBAR_WAIT_OP ".parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n"
       "}\n" ::"r"(smem_u32(bar)),
       "r"(phase)
       : "memory");
-#else
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(phase)
-      : "memory");
-#endif
 }
 
 // Bulk copy of `bytes` (multiple of 16; 16-byte aligned addresses) global -> shared; completion
