@@ -499,6 +499,21 @@ def test_ncu_stall_groups_splits_samples_by_execution_count(tmp_path):
     assert f"| 4096 | 4 | {a + b + c + d} | {100 * (a + b + c + d) / total:.1f}% |" in out
     assert f"| 128 | 1 | 7 |" in out
     assert f"[R2+URZ+0x100]  {b + d} samples" in out  # the try-wait and its spin branch, not the IMAD between
+    # --group: one execution count's instructions by opcode (predicate stripped, mnemonic before the first '.')
+    out = subprocess.run([sys.executable, str(tool), str(path), "--group", "4096", "--top", "2"], capture_output=True,
+                         text=True, check=True).stdout
+    grp = out.split("execution count 4096:", 1)[1]
+    assert grp.startswith(f" 4 instructions, {a + b + c + d} samples")
+    share = lambda s: f"{100 * s / (a + b + c + d):.1f}%"  # noqa: E731
+    assert f"| HMMA | 1 | {a} | {share(a)} | wait {a} |" in grp and f"| IMAD | 1 | {c} | {share(c)} | wait {c} |" in grp
+    assert f"| SYNCS | 1 | {b} | {share(b)} | long_sb {b} |" in grp and f"| BRA | 1 | {d} | {share(d)} | long_sb {d} |" in grp
+    assert "LDG" not in grp  # another execution count
+    listed = grp.split("most-sampled instructions", 1)[1].strip().splitlines()[1:]
+    top2 = sorted([(a, 0x0), (b, 0x10), (c, 0x20), (d, 0x30)], key=lambda t: -t[0])[:2]
+    assert len(listed) == 2 and [ln.split()[0] for ln in listed] == [f"+0x{off:05x}" for _, off in top2]
+    out = subprocess.run([sys.executable, str(tool), str(path), "--group", "5"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "no instructions executed 5 times" in out
 
 
 def test_device_session_refuses_an_unknown_mode_before_any_setup(tmp_path):

@@ -2,13 +2,15 @@
 
     ncu --section SourceCounters --section WarpStateStats --export R ... python3 tools/device_profile.py URI CTX BS
     ncu --import R.ncu-rep --page source --print-source sass --csv > R.csv
-    python3 tools/ncu_stall_groups.py R.csv [--top 10]
+    python3 tools/ncu_stall_groups.py R.csv [--top 10] [--group EXECUTIONS]
 
 In a warp-specialized kernel every role runs its own loop, so the instructions of one role's loop share one
 execution count (warps x CTAs x iterations): grouping the per-instruction warp-state samples by that count splits
 the kernel's time by role without reading the SASS. Prints a markdown table (execution count, instructions, samples,
 share, the top stall reasons) and the samples of each mbarrier wait (SYNCS.PHASECHK.TRYWAIT and the spin branch
 after it) by its shared-memory offset. Used for bench/results/h200-ncu-stalls-dimsplit-t-64k-v15.txt.
+With --group, one role's loop (the instructions of that execution count) by SASS opcode (samples and top stall
+reasons per opcode, then its most-sampled instructions with their offsets): bench/results/h200-ncu-*-v20*.txt.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=10, help="groups to print (largest share first)")
+    ap.add_argument("--group", type=int, metavar="EXECUTIONS",
+                    help="also break down the instructions of this execution count by SASS opcode")
     a = ap.parse_args()
     hdr, data = read_rows(a.csv)
     col = {h: i for i, h in enumerate(hdr)}
@@ -73,8 +77,47 @@ def main() -> int:
     for (ex, operand), s in waits.most_common():
         if s:
             print(f"  executions {ex:>8d}  [{operand}]  {s} samples ({100 * s / max(total, 1):.1f}%)")
+    if a.group is not None:
+        print_group(a.group, data, col, stalls, a.top)
     return 0
 
 
+def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: list[tuple[int, str]], top: int) -> None:
+    """The instructions executed ``ex`` times (one role's loop), by SASS opcode (the mnemonic before its first '.',
+    predicate stripped): count, samples and top stall reasons; then the ``top`` most-sampled instructions, each with
+    its offset from the group's first instruction."""
+    src, smp, exe = col["Source"], col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+    num = lambda r, i: int(float(r[i] or 0))  # noqa: E731
+    rows = [r for r in data if num(r, exe) == ex]
+    if not rows:
+        print(f"\nno instructions executed {ex} times")
+        return
+    base = int(rows[0][col["Address"]], 16)
+    by_op = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for r in rows:
+        words = r[src].split()
+        op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0] if words else "?")
+        o = by_op[op.split(".")[0]]
+        o[0] += 1
+        o[1] += num(r, smp)
+        for i, name in stalls:
+            o[2][name] += num(r, i)
+    group_total = sum(num(r, smp) for r in rows)
+    print(f"\nexecution count {ex}: {len(rows)} instructions, {group_total} samples, by opcode")
+    print("| opcode | instructions | samples | share | top stall reasons |")
+    print("|---|---|---|---|---|")
+    for op, (n, s, c) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
+        reasons = ", ".join(f"{k} {v}" for k, v in c.most_common(4) if v)
+        print(f"| {op} | {n} | {s} | {100 * s / max(group_total, 1):.1f}% | {reasons} |")
+    print(f"\nmost-sampled instructions (offset from the group's first instruction):")
+    for r in sorted(rows, key=lambda r: -num(r, smp))[:top]:
+        reasons = ", ".join(f"{name} {num(r, i)}" for i, name in stalls if num(r, i))
+        print(f"  +0x{int(r[col['Address']], 16) - base:05x}  {num(r, smp):5d}  {r[src].strip()[:60]:60s}  {reasons}")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # piped into head: the reader has what it asked for
+        sys.stderr.close()
+        sys.exit(0)

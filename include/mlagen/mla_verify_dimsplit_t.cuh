@@ -32,6 +32,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_config.cuh"
@@ -58,6 +59,14 @@
 // step reads them from global memory itself (perf-notes v16).
 #ifndef MLAGEN_DST_TREE_ROWS
 #define MLAGEN_DST_TREE_ROWS 0
+#endif
+
+// MLAGEN_DST_MASK_PEEL 1 (every shipped build): a bf16 build's score loop runs the split's unmasked steps in a loop of
+// their own, whose body has no masking code, and the (at most two) steps holding draft keys or keys past kv_len in a
+// second loop; 0: v19's single loop with the masking code between the two halves of every step, for A/B timing
+// (perf-notes v20). e4m3 builds keep the single loop either way.
+#ifndef MLAGEN_DST_MASK_PEEL
+#define MLAGEN_DST_MASK_PEEL 1
 #endif
 
 // MLAGEN_DST_FP8_CONVERT 0 (every shipped build): the output warps' e4m3 -> bf16 conversion of a tile issues all of a
@@ -147,6 +156,10 @@ struct MlaDimSplitTConfig {
   // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
   // prefetch's page entries requested two tiles ahead.
   static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
+  // The score warps' unmasked steps in a loop without masking code (perf-notes v20: in v19's single loop the ~450
+  // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
+  // instruction cache; bf16 1.1-3.4 % faster). Not for e4m3 pools: there it measured 0.996-1.009x.
+  static constexpr bool kMaskPeel = MLAGEN_DST_MASK_PEEL != 0 && !kKvFp8;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -439,7 +452,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // S = S_c + S_{1-c} (unscaled) of sub-tile j once the peer's half landed; keys the mask hides -> -inf.
     // Fragment (m16 tokens x n8 rows) of token tile mt: s[mt][nt][0] = (token 16 mt + g, row 2 t4), [1] = (g,
     // 2 t4 + 1), [2] = (g + 8, 2 t4), [3] = (g + 8, 2 t4 + 1); a row's tokens are the 8 lanes of one t4.
-    auto receive_and_mask = [&](int j, Acc& s) {
+    // kMaskMode (a std::integral_constant): 0 the step holds only prefix keys below kv_len (the caller knows), so no
+    // masking code is emitted; 1 the step's keys are tested at run time.
+    auto receive_and_mask = [&](int j, Acc& s, auto kMaskMode) {
       if constexpr (!(kAblate & kAblateExchange)) {
         uint64_t* xbar = xfull_bar + xslot(j);
         if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
@@ -463,7 +478,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
         if (lane == 0) ptx::mbarrier_arrive_cluster_cta(xempty_remote);
       }
       const int key0 = (tile_begin * Cfg::kSubTiles + j) * Cfg::kSubTile;  // the sub-tile's first token
-      if (key0 + Cfg::kSubTile > prefix_len) {  // draft keys or keys past kv_len in this sub-tile
+      // draft keys or keys past kv_len in this sub-tile
+      if (decltype(kMaskMode)::value != 0 && key0 + Cfg::kSubTile > prefix_len) {
         if constexpr (Cfg::kTreeRowsSmem) ptx::mbarrier_wait_parity(tree_bar, 0u);  // (phase 0: done at most once)
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
@@ -540,6 +556,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     // stores), then j + 1 goes to the peer. Exchange buffer reuse: with two buffers, this warp sends j + 1 into
     // the peer's buffer (j + 1) % 2 after receiving the peer's j, which the peer sent after its softmax of
     // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
+    // With kMaskPeel the steps whose keys are all prefix keys run in a loop of their own, compiled without the
+    // masking code, so the two halves of its body are contiguous in the instruction stream.
     constexpr int kHalfK = Cfg::kKSteps / 2;
     static_assert(Cfg::kKSteps - kHalfK >= 3 * Cfg::kNTilesS, "the second half's K steps carry the softmax's 9 pieces");
     Acc s_cur, s_next, s_odd;
@@ -549,43 +567,66 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     for (int ks = 0; ks < Cfg::kKSteps; ++ks) mma_kstep(0, ks, s_cur, s_odd);
     join_chains(s_cur, s_odd);
     send_scores(0, s_cur);
-#pragma unroll 1
-    for (int j = 0; j < num_sub; ++j) {
+    using Unmasked = std::integral_constant<int, 0>;  // receive_and_mask's kMaskMode: no masking code
+    using Tested = std::integral_constant<int, 1>;    // the step's keys tested at run time
+    // Step j < num_sub - 1: the first half of j + 1's K steps, S of j, then the second half with the softmax of j.
+    auto score_step = [&](int j, auto kMaskMode) {
       release_stage(j);  // the K steps of j have read its K
       float alpha[Cfg::kNTilesS][2];
-      if (j + 1 < num_sub) {
-        wait_full(j + 1);
-        zero_acc(s_next, s_odd);
+      wait_full(j + 1);
+      zero_acc(s_next, s_odd);
 #pragma unroll
-        for (int ks = 0; ks < kHalfK; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
-        receive_and_mask(j, s_cur);
+      for (int ks = 0; ks < kHalfK; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
+      receive_and_mask(j, s_cur, kMaskMode);
 #pragma unroll
-        for (int i = 0; i < Cfg::kKSteps - kHalfK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
-          mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
-          if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
-          if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
-            const int nt = i - 2 * Cfg::kNTilesS;
-            write_p(j, s_cur, nt, alpha[nt]);
-          }
-        }
-        join_chains(s_next, s_odd);
-        publish_p(j);
-        send_scores(j + 1, s_next);
-#pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
-      } else {  // the split's last sub-tile
-        receive_and_mask(j, s_cur);
-#pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-          softmax_row(s_cur, nt, 0, alpha[nt][0]);
-          softmax_row(s_cur, nt, 1, alpha[nt][1]);
+      for (int i = 0; i < Cfg::kKSteps - kHalfK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
+        mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
+        if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
+        if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
+          const int nt = i - 2 * Cfg::kNTilesS;
           write_p(j, s_cur, nt, alpha[nt]);
         }
-        publish_p(j);
+      }
+      join_chains(s_next, s_odd);
+      publish_p(j);
+      send_scores(j + 1, s_next);
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
+    };
+    auto last_step = [&](int j) {  // the split's last sub-tile
+      release_stage(j);
+      float alpha[Cfg::kNTilesS][2];
+      receive_and_mask(j, s_cur, Tested{});
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        softmax_row(s_cur, nt, 0, alpha[nt][0]);
+        softmax_row(s_cur, nt, 1, alpha[nt][1]);
+        write_p(j, s_cur, nt, alpha[nt]);
+      }
+      publish_p(j);
+    };
+    if constexpr (Cfg::kMaskPeel) {
+      // Steps [0, j_prefix) hold only prefix keys (all below kv_len): key0 + kSubTile <= prefix_len.
+      const int j_prefix = prefix_len / Cfg::kSubTile - tile_begin * Cfg::kSubTiles;
+      const int j_hot_end = j_prefix < num_sub - 1 ? j_prefix : num_sub - 1;
+      int j = 0;
+#pragma unroll 1
+      for (; j < j_hot_end; ++j) score_step(j, Unmasked{});
+#pragma unroll 1
+      for (; j < num_sub - 1; ++j) score_step(j, Tested{});
+      last_step(j);
+    } else {  // v19's single loop
+#pragma unroll 1
+      for (int j = 0; j < num_sub; ++j) {
+        if (j + 1 < num_sub) {
+          score_step(j, Tested{});
+        } else {
+          last_step(j);
+        }
       }
     }
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
