@@ -36,7 +36,8 @@ def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
-    ap.add_argument("--top", type=int, default=10, help="groups to print (largest share first)")
+    ap.add_argument("--top", type=int, default=10, help="groups to print (largest share first); with --group also "
+                    "the number of its most-sampled instructions listed")
     ap.add_argument("--group", type=int, metavar="EXECUTIONS",
                     help="also break down the instructions of this execution count by SASS opcode")
     a = ap.parse_args()
@@ -109,7 +110,7 @@ def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: lis
     for op, (n, s, c) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
         reasons = ", ".join(f"{k} {v}" for k, v in c.most_common(4) if v)
         print(f"| {op} | {n} | {s} | {100 * s / max(group_total, 1):.1f}% | {reasons} |")
-    print(f"\nmost-sampled instructions (offset from the group's first instruction):")
+    print("\nmost-sampled instructions (offset from the group's first instruction):")
     for r in sorted(rows, key=lambda r: -num(r, smp))[:top]:
         reasons = ", ".join(f"{name} {num(r, i)}" for i, name in stalls if num(r, i))
         print(f"  +0x{int(r[col['Address']], 16) - base:05x}  {num(r, smp):5d}  {r[src].strip()[:60]:60s}  {reasons}")

@@ -61,10 +61,10 @@
 #define MLAGEN_DST_TREE_ROWS 0
 #endif
 
-// MLAGEN_DST_MASK_PEEL 1 (every shipped build): a bf16 build's score loop runs the split's unmasked steps in a loop of
-// their own, whose body has no masking code, and the (at most two) steps holding draft keys or keys past kv_len in a
-// second loop; 0: v19's single loop with the masking code between the two halves of every step, for A/B timing
-// (perf-notes v20). e4m3 builds keep the single loop either way.
+// MLAGEN_DST_MASK_PEEL 1 (every shipped build): a bf16 build's score loop runs the split's steps that hold only prefix
+// keys in a loop of their own, whose body has no masking code, and the steps after them (draft keys or keys past
+// kv_len: the last few of a request's last split) in a second loop; 0: v19's single loop with the masking code
+// between the two halves of every step, for A/B timing (perf-notes v20). e4m3 builds keep the single loop either way.
 #ifndef MLAGEN_DST_MASK_PEEL
 #define MLAGEN_DST_MASK_PEEL 1
 #endif
@@ -569,9 +569,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     send_scores(0, s_cur);
     using Unmasked = std::integral_constant<int, 0>;  // receive_and_mask's kMaskMode: no masking code
     using Tested = std::integral_constant<int, 1>;    // the step's keys tested at run time
-    // Step j < num_sub - 1: the first half of j + 1's K steps, S of j, then the second half with the softmax of j.
+    // Step j < num_sub - 1 (after release_stage(j)): the first half of j + 1's K steps, S of j, then the second half
+    // with the softmax of j.
     auto score_step = [&](int j, auto kMaskMode) {
-      release_stage(j);  // the K steps of j have read its K
       float alpha[Cfg::kNTilesS][2];
       wait_full(j + 1);
       zero_acc(s_next, s_odd);
@@ -597,8 +597,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
     };
-    auto last_step = [&](int j) {  // the split's last sub-tile
-      release_stage(j);
+    auto last_step = [&](int j) {  // the split's last sub-tile (after release_stage(j))
       float alpha[Cfg::kNTilesS][2];
       receive_and_mask(j, s_cur, Tested{});
 #pragma unroll
@@ -615,13 +614,21 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
       const int j_hot_end = j_prefix < num_sub - 1 ? j_prefix : num_sub - 1;
       int j = 0;
 #pragma unroll 1
-      for (; j < j_hot_end; ++j) score_step(j, Unmasked{});
+      for (; j < j_hot_end; ++j) {
+        release_stage(j);  // the K steps of j have read its K
+        score_step(j, Unmasked{});
+      }
 #pragma unroll 1
-      for (; j < num_sub - 1; ++j) score_step(j, Tested{});
+      for (; j < num_sub - 1; ++j) {
+        release_stage(j);
+        score_step(j, Tested{});
+      }
+      release_stage(j);
       last_step(j);
     } else {  // v19's single loop
 #pragma unroll 1
       for (int j = 0; j < num_sub; ++j) {
+        release_stage(j);  // the K steps of j have read its K
         if (j + 1 < num_sub) {
           score_step(j, Tested{});
         } else {
