@@ -503,7 +503,9 @@ def test_ncu_stall_groups_splits_samples_by_execution_count(tmp_path):
     out = subprocess.run([sys.executable, str(tool), str(path), "--group", "4096", "--top", "2"], capture_output=True,
                          text=True, check=True).stdout
     grp = out.split("execution count 4096:", 1)[1]
-    assert grp.startswith(f" 4 instructions, {a + b + c + d} samples")
+    assert grp.startswith(f" 4 instructions, {a + b + c + d} samples; stall reasons: ")
+    reasons = dict(kv.rsplit(" ", 1) for kv in grp.split("\n", 1)[0].split("stall reasons: ", 1)[1].split(", "))
+    assert reasons == {"wait": str(a + c), "long_sb": str(b + d)}
     share = lambda s: f"{100 * s / (a + b + c + d):.1f}%"  # noqa: E731
     assert f"| HMMA | 1 | {a} | {share(a)} | wait {a} |" in grp and f"| IMAD | 1 | {c} | {share(c)} | wait {c} |" in grp
     assert f"| SYNCS | 1 | {b} | {share(b)} | long_sb {b} |" in grp

@@ -84,9 +84,9 @@ def main() -> int:
 
 
 def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: list[tuple[int, str]], top: int) -> None:
-    """The instructions executed ``ex`` times (one role's loop), by SASS opcode (the mnemonic before its first '.',
-    predicate stripped): count, samples and top stall reasons; then the ``top`` most-sampled instructions, each with
-    its offset from the group's first instruction."""
+    """The instructions executed ``ex`` times (one role's loop): their samples per stall reason, then by SASS opcode
+    (the mnemonic before its first '.', predicate stripped) count, samples and top stall reasons, then the ``top``
+    most-sampled instructions, each with its offset from the group's first instruction."""
     src, smp, exe = col["Source"], col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
     num = lambda r, i: int(float(r[i] or 0))  # noqa: E731
     rows = [r for r in data if num(r, exe) == ex]
@@ -104,7 +104,12 @@ def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: lis
         for i, name in stalls:
             o[2][name] += num(r, i)
     group_total = sum(num(r, smp) for r in rows)
-    print(f"\nexecution count {ex}: {len(rows)} instructions, {group_total} samples, by opcode")
+    reasons_all = collections.Counter()
+    for o in by_op.values():
+        reasons_all.update(o[2])
+    print(f"\nexecution count {ex}: {len(rows)} instructions, {group_total} samples; stall reasons: "
+          + ", ".join(f"{k} {v}" for k, v in reasons_all.most_common() if v))
+    print("by opcode:")
     print("| opcode | instructions | samples | share | top stall reasons |")
     print("|---|---|---|---|---|")
     for op, (n, s, c) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
