@@ -33,6 +33,11 @@ def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
     return rows[start], rows[start + 1:]
 
 
+def _num(r: list[str], i: int) -> int:
+    """Column ``i`` of row ``r`` as an int (empty cells count 0)."""
+    return int(float(r[i] or 0))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
@@ -48,15 +53,14 @@ def main() -> int:
             sys.exit(f"{a.csv}: column {need!r} missing (profile with --section SourceCounters)")
     src, smp, exe = col["Source"], col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
     stalls = [(i, h[len("stall_"):]) for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
-    num = lambda r, i: int(float(r[i] or 0))  # noqa: E731
-    total = sum(num(r, smp) for r in data)
+    total = sum(_num(r, smp) for r in data)
     groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for r in data:
-        g = groups[num(r, exe)]
-        g[0] += num(r, smp)
+        g = groups[_num(r, exe)]
+        g[0] += _num(r, smp)
         g[1] += 1
         for i, name in stalls:
-            g[2][name] += num(r, i)
+            g[2][name] += _num(r, i)
     print(f"{total} warp-state samples, {len(data)} instructions\n")
     print("| executions | instructions | samples | share | top stall reasons |")
     print("|---|---|---|---|---|")
@@ -69,28 +73,29 @@ def main() -> int:
         if "TRYWAIT" not in r[src]:
             continue
         operand = r[src].split("[", 1)[1].split("]", 1)[0] if "[" in r[src] else "?"
-        s = num(r, smp)
+        s = _num(r, smp)
         for nxt in data[k + 1:k + 8]:  # the spin branch follows within a few instructions
             if "BRA" in nxt[src]:
-                s += num(nxt, smp)
+                s += _num(nxt, smp)
                 break
-        waits[(num(r, exe), operand)] += s
+        waits[(_num(r, exe), operand)] += s
     for (ex, operand), s in waits.most_common():
         if s:
             print(f"  executions {ex:>8d}  [{operand}]  {s} samples ({100 * s / max(total, 1):.1f}%)")
     if a.group is not None:
-        print_group(a.group, data, col, stalls, a.top)
+        print_group(a.group, data, col, stalls, a.top, groups[a.group][2] if a.group in groups else None)
     return 0
 
 
-def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: list[tuple[int, str]], top: int) -> None:
-    """The instructions executed ``ex`` times (one role's loop): their samples per stall reason, then by SASS opcode
-    (the mnemonic before its first '.', predicate stripped) count, samples and top stall reasons, then the ``top``
-    most-sampled instructions, each with its offset from the group's first instruction."""
+def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: list[tuple[int, str]], top: int,
+                reasons: collections.Counter | None) -> None:
+    """The instructions executed ``ex`` times (one role's loop): their samples per stall reason (``reasons``, the
+    group's totals main() already summed), then by SASS opcode (the mnemonic before its first '.', predicate
+    stripped) count, samples and top stall reasons, then the ``top`` most-sampled instructions, each with its offset
+    from the group's first instruction."""
     src, smp, exe = col["Source"], col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
-    num = lambda r, i: int(float(r[i] or 0))  # noqa: E731
-    rows = [r for r in data if num(r, exe) == ex]
-    if not rows:
+    rows = [r for r in data if _num(r, exe) == ex]
+    if not rows or reasons is None:
         print(f"\nno instructions executed {ex} times")
         return
     base = int(rows[0][col["Address"]], 16)
@@ -100,25 +105,22 @@ def print_group(ex: int, data: list[list[str]], col: dict[str, int], stalls: lis
         op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0] if words else "?")
         o = by_op[op.split(".")[0]]
         o[0] += 1
-        o[1] += num(r, smp)
+        o[1] += _num(r, smp)
         for i, name in stalls:
-            o[2][name] += num(r, i)
-    group_total = sum(num(r, smp) for r in rows)
-    reasons_all = collections.Counter()
-    for o in by_op.values():
-        reasons_all.update(o[2])
+            o[2][name] += _num(r, i)
+    group_total = sum(_num(r, smp) for r in rows)
     print(f"\nexecution count {ex}: {len(rows)} instructions, {group_total} samples; stall reasons: "
-          + ", ".join(f"{k} {v}" for k, v in reasons_all.most_common() if v))
+          + ", ".join(f"{k} {v}" for k, v in reasons.most_common() if v))
     print("by opcode:")
     print("| opcode | instructions | samples | share | top stall reasons |")
     print("|---|---|---|---|---|")
     for op, (n, s, c) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
-        reasons = ", ".join(f"{k} {v}" for k, v in c.most_common(4) if v)
-        print(f"| {op} | {n} | {s} | {100 * s / max(group_total, 1):.1f}% | {reasons} |")
+        top4 = ", ".join(f"{k} {v}" for k, v in c.most_common(4) if v)
+        print(f"| {op} | {n} | {s} | {100 * s / max(group_total, 1):.1f}% | {top4} |")
     print("\nmost-sampled instructions (offset from the group's first instruction):")
-    for r in sorted(rows, key=lambda r: -num(r, smp))[:top]:
-        reasons = ", ".join(f"{name} {num(r, i)}" for i, name in stalls if num(r, i))
-        print(f"  +0x{int(r[col['Address']], 16) - base:05x}  {num(r, smp):5d}  {r[src].strip()[:60]:60s}  {reasons}")
+    for r in sorted(rows, key=lambda r: -_num(r, smp))[:top]:
+        why = ", ".join(f"{name} {_num(r, i)}" for i, name in stalls if _num(r, i))
+        print(f"  +0x{int(r[col['Address']], 16) - base:05x}  {_num(r, smp):5d}  {r[src].strip()[:60]:60s}  {why}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t pha
       "r"(phase)
       : "memory");
 }
+#undef MLAGEN_MBAR_WAIT_OP
 
 // Bulk copy of `bytes` (multiple of 16; 16-byte aligned addresses) global -> shared; completion
 // is counted on `bar` as transaction bytes (PTX ISA "cp.async.bulk").
