@@ -8,6 +8,9 @@ on this GPU, fa2 as it would pick it on a 100 KB-per-SM sm_120 GPU, fa3 on Hoppe
 compared with a causal mlagen run: bench/flashinfer_baselines.py) on identical inputs. Ceilings are measured in
 the same run: copy bandwidth (read + write) and the mma.sync bf16 rate. Floor per shape:
 max(bytes / copy BW, FLOPs / mma rate), bytes = KV once + q + out, FLOPs = 2*rows*ctx*(576+512).
+At 64k context (``--l2-bytes``) the winning variant is also profiled by Nsight Compute (tools/l2_bytes.py, a child
+process): bytes moved L2 -> SM (l1tex__m_xbar2l1tex_read_bytes) and read from DRAM by all its kernels of one call,
+per KV byte.
 
     python3 bench/run_bench.py --grid small --out bench_out     # writes bench.json, bench.png
 """
@@ -18,6 +21,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +51,8 @@ SMALL = ([(8, 9, bs, c, ps) for ps in (1, 64) for bs in (1, 4) for c in (4096, 1
 FULL = ([(H, 9, bs, c, ps) for H in (8, 16, 64) for ps in (1, 64) for bs in (1, 4, 16)
          for c in (4096, 16384, 65536, 131072)] + [(8, 1, bs, c, 1) for bs in (1, 4) for c in (4096, 65536)])
 NSPLIT_SWEEP = (16, 32, 64)
+L2_CTX = 65536  # the context whose winners --l2-bytes profiles
+L2_TOOL = Path(__file__).resolve().parent.parent / "tools" / "l2_bytes.py"
 DECODE_SPLITS = (8, 16, 64)
 
 
@@ -129,6 +136,10 @@ def _parse(argv=None) -> argparse.Namespace:
                     help="also time the fastest verified dtype fp8_e4m3 variant on the same problem with its KV cast "
                          "to e4m3 (columns: µs, x the fastest bf16 time of its schedule, fraction of the fp8 memory "
                          "floor and of the fp8 roofline floor)")
+    ap.add_argument("--l2-bytes", choices=["bs1", "all", "off"], default="bs1",
+                    help="profile the winner of the 64k rows with Nsight Compute for bytes L2 -> SM and DRAM reads per "
+                    "KV byte: 'bs1' (default) the batch-1 rows, 'all' every 64k row (~20 s each), 'off'; skipped "
+                    "with one line when ncu is not found")
     ap.add_argument("--build-only", action="store_true",
                     help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -336,6 +347,40 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
     return res
 
 
+def _ncu_path() -> str | None:
+    """Nsight Compute's command line: $NCU, else ``ncu`` on PATH, else the CUDA toolkit's; None if none runs."""
+    for c in (os.environ.get("NCU"), shutil.which("ncu"), "/usr/local/cuda/bin/ncu"):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def parse_l2_json(stdout: str) -> dict:
+    """The row fields from tools/l2_bytes.py --json output (its last JSON line): l2_sm_per_kv and dram_per_kv
+    (bytes per KV byte, all kernels of one call), l2_kernels (per kernel: name, bytes, µs) and l2_kv_bytes; or
+    l2_error."""
+    recs = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if not recs:
+        return dict(l2_error="no JSON line from tools/l2_bytes.py: " + stdout.strip()[-200:])
+    rec = json.loads(recs[-1])
+    if "error" in rec:
+        return dict(l2_error=rec["error"])
+    return dict(l2_sm_per_kv=rec["l2_sm_per_kv"], dram_per_kv=rec["dram_per_kv"], l2_kernels=rec["kernels"],
+                l2_kv_bytes=rec["kv_bytes"])
+
+
+def measure_l2_bytes(uri: str, ctx: int, bs: int, ncu: str, timeout_s: float = 600) -> dict:
+    """Bytes L2 -> SM and DRAM reads per KV byte of one call of ``uri`` at (ctx, bs) under Nsight Compute
+    (tools/l2_bytes.py --json in a child process; its own inputs, same shape; clocks not locked). Returns
+    :func:`parse_l2_json`'s fields; an ncu failure or timeout becomes ``l2_error`` (reported, never raised)."""
+    cmd = [sys.executable, str(L2_TOOL), uri, "--ctx", str(ctx), "--bs", str(bs), "--ncu", ncu, "--json"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(l2_error=f"tools/l2_bytes.py did not finish in {timeout_s:.0f} s")
+    return parse_l2_json(r.stdout + ("" if r.returncode == 0 else r.stderr[-500:]))
+
+
 def _versions() -> dict:
     return dict(device=torch.cuda.get_device_name(), driver=_driver(), torch=torch.__version__, triton=_ver("triton"),
                 sglang=_ver("sglang"), flashinfer=_ver("flashinfer-python"), mlagen=mlagen.__version__,
@@ -386,10 +431,15 @@ def main(argv=None) -> int:
         return 1
     print(f"built + verified {sum(len(v) for v in kernels.values())} variants in {time.time() - t0:.0f} s", flush=True)
 
+    ncu = _ncu_path() if a.l2_bytes != "off" else None
+    if a.l2_bytes != "off" and ncu is None:
+        print("L2 -> SM column skipped: ncu not found (PATH, $NCU, /usr/local/cuda/bin)")
     rows, sweep = [], []
     for i in ids:
         row, sw = _measure_shape(grid[i], kernels, ceil, ok_sgl, fi_cols, fi_smem)
         row["grid_index"] = i
+        if ncu is not None and row["ctx"] == L2_CTX and (a.l2_bytes == "all" or row["bs"] == 1):
+            row.update(measure_l2_bytes(row["mlagen_uri"], row["ctx"], row["bs"], ncu))
         rows.append(row)
         sweep += sw
         print(_fmt(row), flush=True)
@@ -596,6 +646,11 @@ def _fmt(r: dict) -> str:
             s += f" | triton fp8: {r['fp8_sglang_error'][:80]}"
     if "auto_over_best_fixed" in r:
         s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
+    if r.get("l2_sm_per_kv") is not None:
+        s += f" | L2->SM {r['l2_sm_per_kv']:.2f} B per KV B" + (
+            f" (DRAM {r['dram_per_kv']:.2f})" if r.get("dram_per_kv") is not None else "")
+    elif "l2_error" in r:
+        s += f" | L2->SM: {r['l2_error'][:80]}"
     if "max_abs_diff_vs_sglang" in r:
         s += f" | max|diff| {r['max_abs_diff_vs_sglang']:.3g}"
     if r.get("fi_max_abs_diff"):
@@ -629,6 +684,14 @@ def _table(rows, sweep, fi_labels: dict | None = None) -> None:
               + (f"{r['auto_over_best_fixed']:.2f} (ns{r['best_fixed_nsplit']})" if "auto_over_best_fixed" in r else "-") + " |"
               + "".join(f" {r[k + '_us']:.1f} ({r[k + '_us'] / us:.2f}x) |" if k + "_us" in r else " - |" for k in fi_keys)
               + ((f" {max(r['fi_max_abs_diff'].values()):.2g} |" if r.get("fi_max_abs_diff") else " - |") if fi_keys else ""))
+    for r in rows:
+        if r.get("l2_sm_per_kv") is not None:
+            print(f"\nL2 -> SM at H={r['H']} q={r['q_len']} bs={r['bs']} ctx={r['ctx']} ps={r['page_size']} "
+                  f"({_tile(r['mlagen_uri'])}; Nsight Compute, caches flushed before each kernel): {r['l2_sm_per_kv']:.2f} "
+                  "bytes per KV byte over all kernels of one call" + "".join(
+                      f"; {k['name']} {k['l2_sm_bytes'] / r['l2_kv_bytes']:.2f}" for k in r.get("l2_kernels", [])
+                      if k.get("l2_sm_bytes") is not None)
+                  + (f"; DRAM reads {r['dram_per_kv']:.2f}" if r.get("dram_per_kv") is not None else ""))
     if sweep:
         print("\nNSPLIT sweep, H=8 q=9 bs=1 ps=1 (µs):")
         for ctx in sorted({s["ctx"] for s in sweep}):

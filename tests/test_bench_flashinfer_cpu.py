@@ -510,3 +510,40 @@ def test_l2_bytes_ncu_command():
     assert cmd[0] == "ncu" and "--clock-control none" in s and "--profile-from-start off" in s
     assert "l1tex__m_xbar2l1tex_read_bytes.sum" in s and "dram__bytes_read.sum" in s and "--print-units base" in s
     assert cmd[-6:] == ["--child", "URI", "--ctx", "65536", "--bs", "1"]
+
+
+def test_l2_bytes_json_record_sums_every_kernel():
+    import l2_bytes
+
+    ks = l2_bytes.parse_ncu_csv(NCU_CSV)
+    kv = l2_bytes.kv_bytes(1, 65536)
+    rec = l2_bytes.summary_record(ks, kv, "URI")
+    assert rec["uri"] == "URI" and rec["kv_bytes"] == kv
+    assert [k["name"] for k in rec["kernels"]] == ["mla_verify_partial_kernel", "mla_verify_combine_kernel"]
+    assert rec["kernels"][1]["l2_sm_bytes"] is None and rec["kernels"][1]["us"] is None
+    assert rec["l2_sm_per_kv"] == 430243840 / kv  # the combine's n/a is left out, not counted as 0 bytes
+    assert rec["dram_per_kv"] == (75912448 + 1000000) / kv
+    assert rec["kernels"][0]["us"] == 98.112
+    assert l2_bytes.summary_record([], kv, "URI")["l2_sm_per_kv"] is None
+
+
+def test_run_bench_reads_the_l2_json_line(capsys):
+    import json
+
+    import run_bench
+
+    ks = __import__("l2_bytes").parse_ncu_csv(NCU_CSV)
+    rec = __import__("l2_bytes").summary_record(ks, 75497472, "URI")
+    out = "==PROF== noise\n" + json.dumps(rec) + "\n"
+    row = run_bench.parse_l2_json(out)
+    assert row["l2_sm_per_kv"] == rec["l2_sm_per_kv"] and row["l2_kv_bytes"] == 75497472
+    assert len(row["l2_kernels"]) == 2
+    assert run_bench.parse_l2_json(json.dumps(dict(uri="URI", error="ncu exit 1, 0 kernels profiled"))) == dict(
+        l2_error="ncu exit 1, 0 kernels profiled")
+    assert run_bench.parse_l2_json("ncu: command failed")["l2_error"].startswith("no JSON line")
+    r = dict(H=8, q_len=9, bs=1, ctx=65536, page_size=1, mlagen_uri="mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_"
+             "w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90", mlagen_us=54.4, gbs=1390.0, frac_floor=0.33, floor_us=18.0,
+             **row)
+    assert "L2->SM 5.70 B per KV B (DRAM 1.02)" in run_bench._fmt(r)
+    run_bench._table([r], [], None)
+    assert "L2 -> SM at H=8 q=9 bs=1 ctx=65536 ps=1" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """L2 -> SM and DRAM read bytes per KV byte of an mlagen variant, measured with Nsight Compute.
 
-    python3 tools/l2_bytes.py URI [URI ...] [--ctx 65536] [--bs 1] [--ncu ncu]
+    python3 tools/l2_bytes.py URI [URI ...] [--ctx 65536] [--bs 1] [--ncu ncu] [--json]
 
 For each uri (its H, q_len and page size are the uri's; default shape: 64k context, batch 1) this builds
 the variant, runs it three times to warm up, then once between cudaProfilerStart and cudaProfilerStop,
@@ -13,7 +13,9 @@ call, partial and combine or whatever the variant launches), with the metrics
 
 and prints one line per kernel: each byte count and its ratio to the KV bytes of the call
 (bs * ctx * 576 * 2; 75.5 MB at 64k bs1). A kernel that reads each KV row once through L2 shows an
-L2 -> SM ratio near 1; the rt1 bulk bn32 64k winner of b461c26 read 5.7x (430 MB).
+L2 -> SM ratio near 1; the rt1 bulk bn32 64k winner of b461c26 read 5.7x (430 MB). With --json, one JSON
+object per uri instead (summary_record: per-kernel bytes and µs, and the call's totals over the KV bytes);
+bench/run_bench.py reads that for its L2 -> SM column.
 Needs a GPU and ncu; the CSV parsing and the report lines are CPU-tested.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +92,22 @@ def report_lines(kernels: list[dict], kv: int, uri: str = "") -> list[str]:
     return out
 
 
+def summary_record(kernels: list[dict], kv: int, uri: str) -> dict:
+    """One call's traffic as a JSON-ready dict: {uri, kv_bytes, kernels: [{name, l2_sm_bytes, dram_read_bytes, us}],
+    l2_sm_per_kv, dram_per_kv} where the two ratios sum every kernel of the call (partial and combine) over the KV
+    bytes; a ratio is None when ncu reported the metric for no kernel."""
+    rows = [dict(name=short_name(k["name"]), l2_sm_bytes=k["metrics"].get(METRICS[0]),
+                 dram_read_bytes=k["metrics"].get(METRICS[1]),
+                 us=k["metrics"][METRICS[2]] / 1e3 if METRICS[2] in k["metrics"] else None) for k in kernels]
+
+    def ratio(key: str):
+        vals = [r[key] for r in rows if r[key] is not None]
+        return sum(vals) / kv if vals else None
+
+    return dict(uri=uri, kv_bytes=kv, kernels=rows, l2_sm_per_kv=ratio("l2_sm_bytes"),
+                dram_per_kv=ratio("dram_read_bytes"))
+
+
 def _child(uri: str, ctx: int, bs: int) -> None:
     """Build and run the variant; the fourth call is the profiled one (between profiler start and stop)."""
     sys.path.insert(0, str(ROOT))
@@ -122,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=65536, help="context (kv length, draft tokens included); default 64k")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--ncu", default=os.environ.get("NCU", "ncu"))
+    ap.add_argument("--json", action="store_true", help="one JSON object per uri (summary_record) instead of text")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the profiled process
     a = ap.parse_args(argv)
     if a.child:
@@ -132,8 +152,15 @@ def main(argv=None) -> int:
         r = subprocess.run(ncu_command(uri, a.ctx, a.bs, a.ncu), capture_output=True, text=True)
         kernels = parse_ncu_csv(r.stdout)
         if r.returncode != 0 or not kernels:
-            print(f"{uri}: ncu exit {r.returncode}, {len(kernels)} kernels profiled\n{(r.stdout + r.stderr)[-2000:]}")
+            why = f"ncu exit {r.returncode}, {len(kernels)} kernels profiled"
+            if a.json:
+                print(json.dumps(dict(uri=uri, error=why, tail=(r.stdout + r.stderr)[-2000:])), flush=True)
+            else:
+                print(f"{uri}: {why}\n{(r.stdout + r.stderr)[-2000:]}")
             rc = 1
+            continue
+        if a.json:
+            print(json.dumps(summary_record(kernels, kv, uri)), flush=True)
             continue
         for line in report_lines(kernels, kv, uri):
             print(line, flush=True)
