@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -30,6 +32,12 @@ AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best w
 # H200, H8 q9 bs4 dimsplit (one run, docs/perf-notes.md): fixed 16 splits (one wave) ran 1.28 / 1.15 /
 # 1.06 / 1.02x faster than the 33 the 3 % slack picked, at 4k / 16k / 64k / 128k; bs1 is unchanged (63-66).
 AUTO_WAVE_SLACK_CLUSTER = 1.05
+# The workspace starts with a 64-byte header: the fused merge's two arrival counters (include/mlagen/mla_verify_merge.cuh),
+# zeroed by alloc_workspace and left at zero by every launch; o_part and lse_part follow it.
+WS_HEADER_FLOATS = 16
+# Workspaces whose header mlagen zeroed (alloc_workspace), by address: only those are given to the fused merge, since a
+# header that is not zero would make its wait fail (a trap, not a hang). Entries leave with their tensors.
+_ZEROED_WORKSPACES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 # fill_metadata: index dtypes the kernel reads, and its tree modes (the MetaTreeMode ints of
 # include/mlagen/mla_verify_metadata.cuh).
@@ -124,6 +132,10 @@ class VerifyKernel:
         self.module = load_module(module_name or variant.build_key, so_path)
         self._sm: dict[int, int] = {}
         self.smem_per_sm_cap: int | None = None  # set by limit_smem_per_sm
+        # dimsplit_t: fold the combine into the partial kernel when the grid is co-resident (one launch instead of
+        # two; docs/perf-notes.md v21). MLAGEN_FUSED_MERGE=0 keeps the separate combine kernel; the attribute may be
+        # set per kernel (read when a launch's arguments are built: check_batch / direct_plan / __call__).
+        self.fused_merge = fused_merge_default()
 
     @property
     def has_new_kv(self) -> bool:
@@ -205,16 +217,18 @@ class VerifyKernel:
         v = self.variant
         n = max(1, batch_size)
         if v.nsplit != "auto":
-            return n * int(v.nsplit) * v.rows_max * (v.dim_v + 1)
+            return WS_HEADER_FLOATS + n * int(v.nsplit) * v.rows_max * (v.dim_v + 1)
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         self.num_splits(1, dev)  # fills the device's CTA slot count, self._sm[idx]
-        return (_max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n, self.auto_slack)
-                * v.rows_max * (v.dim_v + 1))
+        return WS_HEADER_FLOATS + (_max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n,
+                                                       self.auto_slack) * v.rows_max * (v.dim_v + 1))
 
     def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
-        """Allocate the 1-D fp32 workspace for batches up to ``batch_size``."""
-        return torch.empty(self.workspace_numel(batch_size, torch.device(device)), dtype=torch.float32, device=device)
+        """Allocate the 1-D fp32 workspace for batches up to ``batch_size``: a 64-byte header (the fused merge's
+        counters, zeroed here on the current stream; every launch leaves them at zero), then o_part and lse_part.
+        Use one workspace per stream: two launches in flight on one workspace would share its partials."""
+        return _new_workspace(self.workspace_numel(batch_size, torch.device(device)), device)
 
     # ---- launch
     def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len: int, softmax_scale: float, tree_mask=None,
@@ -394,7 +408,7 @@ class VerifyKernel:
         table = (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0], req_to_token.shape[1])
         return DirectPlan(batch_size, q_len, splits, req_to_token, workspace, table,
                           self._workspace_parts(workspace, batch_size, splits),
-                          (batch_size, q_len, splits, self.min_tiles_per_split()), dev.index)
+                          self._run_tail(batch_size, q_len, splits, workspace), dev.index)
 
     def direct_batch(self, plan: "DirectPlan", seq_lens, req_pool_indices, *, extra: int, num_padding: int = 0,
                      qlen_mask=None, tree_rows=None, checked: bool = True) -> "VerifyBatch":
@@ -642,9 +656,9 @@ class VerifyKernel:
 
     def _checked_workspace(self, workspace, bs: int, splits: int, device, others: dict) -> torch.Tensor:
         """The workspace for (bs, splits), allocated when None; checks size, alignment, no overlap with ``others``."""
-        need = bs * splits * self.variant.rows_max * (self.variant.dim_v + 1)
+        need = WS_HEADER_FLOATS + bs * splits * self.variant.rows_max * (self.variant.dim_v + 1)
         if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=device)
+            workspace = _new_workspace(need, device)
         _check(workspace, "workspace", torch.float32, ndim=1)
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
@@ -662,12 +676,32 @@ class VerifyKernel:
                 int(req_pool_indices is not None and req_pool_indices.dtype == torch.int64), kv_lens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, tree_mask.stride(0) if tree_mask is not None else 0,
                 o_part, lse_part)
-        return head, (bs, q_len, splits, self.min_tiles_per_split())
+        return head, self._run_tail(bs, q_len, splits, workspace)
 
     def _workspace_parts(self, workspace, bs: int, splits: int) -> tuple[int, int]:
-        """Addresses of the workspace's o_part [bs, splits, rows_max, dim_v] and the lse_part after it (fp32)."""
-        o_part = workspace.data_ptr()
+        """Addresses of the workspace's o_part [bs, splits, rows_max, dim_v] (after the header) and the lse_part
+        after it (fp32)."""
+        o_part = workspace.data_ptr() + WS_HEADER_FLOATS * 4
         return o_part, o_part + bs * splits * self.variant.rows_max * self.variant.dim_v * 4
+
+    def merge_counters(self, workspace) -> int:
+        """The address of ``workspace``'s merge counters when this launch may fold the combine in (the module
+        supports it, :attr:`fused_merge` is set and mlagen zeroed the workspace's header), else 0. The module then
+        uses them only if the grid is co-resident on the device (include/mlagen/mla_verify_launch.cuh)."""
+        if not (self.fused_merge and getattr(self.module, "fused_merge", False) and self._run_abi >= 3):
+            return 0
+        ptr = workspace.data_ptr()
+        return ptr if _ZEROED_WORKSPACES.get(ptr) is not None else 0
+
+    @property
+    def _run_abi(self) -> int:
+        return int(getattr(self.module, "run_abi", 1))
+
+    def _run_tail(self, bs: int, q_len: int, splits: int, workspace) -> tuple:
+        """module.run's arguments after the draft rows and before the scale: (bs, q_len, splits, min tiles per
+        split[, merge counters: ABI 3])."""
+        tail = (bs, q_len, splits, self.min_tiles_per_split())
+        return tail + (self.merge_counters(workspace),) if self._run_abi >= 3 else tail
 
     def _run_module(self, q, kv2, head: tuple, tail: tuple, out, lse, softmax_scale: float, stream: int,
                     new_kv: tuple = (), direct: bool = False) -> None:
@@ -760,6 +794,19 @@ class MetadataFill:
 
 
 _NO_NEW_KV = (0, 0, 0, 0)
+
+
+def fused_merge_default() -> bool:
+    """The default of :attr:`VerifyKernel.fused_merge`: True unless the environment sets MLAGEN_FUSED_MERGE=0."""
+    return os.environ.get("MLAGEN_FUSED_MERGE", "1") != "0"
+
+
+def _new_workspace(numel: int, device) -> torch.Tensor:
+    """An fp32 workspace of ``numel`` elements whose merge-counter header is zero (registered as such)."""
+    ws = torch.empty(numel, dtype=torch.float32, device=device)
+    ws[:WS_HEADER_FLOATS].zero_()
+    _ZEROED_WORKSPACES[ws.data_ptr()] = ws
+    return ws
 _FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 

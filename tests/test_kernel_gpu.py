@@ -272,6 +272,80 @@ def test_graph_replay_matches_eager(kernels):
         assert torch.isfinite(got_out).all()
 
 
+@pytest.mark.parametrize("key", ["k2_dst", "dst_rows", "k2_dst_fp8"])
+def test_dimsplit_t_fused_merge_equals_the_combine_kernel(kernels, key):
+    """dimsplit_t folds the combine into the partial kernel when its grid is co-resident (mla_verify_merge.cuh): on
+    the same inputs the one-kernel launch and the partial + combine launch agree to fp32 summation order (out within
+    one bf16 rounding step of each other, lse 1e-5), both finite and against the reference; a padded request
+    (kv_len 0) is 0 with lse -inf in both; the workspace's merge counters are 0 again after each launch, eager and
+    in 20 CUDA-graph replays with new lengths; and a workspace mlagen did not zero runs the combine kernel."""
+    from mlagen.bench import capture_graph
+    from mlagen.cases import make_fp8_problem, make_problem
+    from mlagen.reference import mla_verify_reference
+
+    for k in kernels[key]:
+        v = k.variant
+        assert k.module.fused_merge and k.module.max_active_clusters() > 0
+        lens = [9, 40, 4099, 0, 20000] if v.nsplit == "auto" else [9, 40, 4099, 0]
+        p = (make_fp8_problem if v.dtype == "fp8_e4m3" else make_problem)(v, lens, device="cuda")
+        bs = len(lens)
+        ws = k.alloc_workspace(bs, "cuda")
+        assert k.merge_counters(ws) == ws.data_ptr()
+        splits = k.num_splits(bs)
+        assert bs * v.row_blocks * splits <= k.module.max_active_clusters(), "this shape should take the fused path"
+        outs = []
+        for fused in (True, False):
+            k.fused_merge = fused
+            out = torch.full((bs * p.q_len, v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((bs * p.q_len, v.heads), float("nan"), device="cuda")
+            ws[16:].fill_(float("nan"))  # partials poisoned: only what this launch writes may be read
+            k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+            torch.cuda.synchronize()
+            assert torch.equal(ws[:2], torch.zeros(2, device="cuda")), f"{v.uri}: merge counters not reset"
+            outs.append((out.float(), lse))
+        k.fused_merge = True
+        (fo, fl), (co, cl) = outs
+        assert torch.isfinite(fo).all() and torch.isfinite(co).all()
+        pad = slice(3 * p.q_len, 4 * p.q_len)
+        assert (fo[pad] == 0).all() and torch.isneginf(fl[pad]).all() and torch.isneginf(cl[pad]).all()
+        live = torch.isfinite(cl)
+        assert torch.equal(live, torch.isfinite(fl))
+        assert (fo - co).abs().max().item() <= 2 ** -7 * max(1.0, co.abs().max().item())
+        assert (fl[live] - cl[live]).abs().max().item() < 1e-5
+        ref_out = mla_verify_reference(p.q, p.kv_cache, p.block_table, p.kv_lens, **p.reference_args())[0]
+        assert (fo - ref_out.float()).abs().max().item() < 3e-2
+        # CUDA-graph replays of the fused launch: new lengths, counters back at 0 each time, equal to eager
+        out = torch.empty(bs * p.q_len, v.heads, v.dim_v, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(bs * p.q_len, v.heads, device="cuda")
+        kv_lens = p.kv_lens.clone()
+
+        def run():
+            k(p.q, p.kv_cache, p.block_table, kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+
+        g = capture_graph(run)
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+        for it in range(20):
+            new = torch.randint(0, max(lens) + 1, (bs,), generator=gen).clamp(min=p.q_len)
+            new[torch.rand(bs, generator=gen) < 0.2] = 0
+            kv_lens.copy_(new.to(torch.int32))
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(ws[:2], torch.zeros(2, device="cuda")), f"replay {it}: merge counters not reset"
+            got = out.clone()
+            out.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+            assert torch.isfinite(got.float()).all() and torch.equal(got, out), f"replay {it} vs eager: {new.tolist()}"
+        # a workspace whose header mlagen did not zero: the combine kernel runs, the header is left alone
+        own = torch.full((k.workspace_numel(bs),), 7.0, device="cuda")
+        assert k.merge_counters(own) == 0
+        out.fill_(float("nan"))
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, workspace=own, **p.kernel_args())
+        torch.cuda.synchronize()
+        assert torch.equal(out.float(), co) and (own[:16] == 7.0).all()
+
+
 def test_bad_tensor_raises_before_launch(kernels):
     from mlagen.cases import make_problem
 

@@ -30,6 +30,7 @@ def _kernel(**kw):
     v = parse_spec(dict(dict(heads_per_rank=8, q_len=9, nsplit=16, load_width=128), **kw)).variants()[0]
     k = VerifyKernel.__new__(VerifyKernel)
     k.variant, k.so_path, k.module, k._sm, k.smem_per_sm_cap = v, None, RecordingModule(), {}, None
+    k.fused_merge = True
     return k
 
 
@@ -98,7 +99,7 @@ def test_workspace_sizing_and_split_policy():
     k = _kernel()
     v = k.variant
     assert k.num_splits(4) == 16
-    assert k.workspace_numel(4) == 4 * 16 * v.rows_max * (512 + 1)
+    assert k.workspace_numel(4) == 16 + 4 * 16 * v.rows_max * (512 + 1)  # the merge-counter header, then the partials
     a = _kernel(nsplit="auto")
     a._sm[0] = 132  # 132 SMs x 1 CTA/SM, as on an H200 at this variant's occupancy
     assert a.num_splits(1, torch.device("cuda", 0)) == 43  # 3 row blocks x 43 = 129 of 132 slots, one wave
@@ -245,14 +246,14 @@ def test_workspace_numel_is_constant_time_and_exact(monkeypatch):
     v = a.variant
     per_req = v.row_blocks * v.ctas_per_row_block
     bs = int(torch.randint(200, 400, (1,)))
-    want = max(b * real(b * per_req, slots) for b in range(1, bs + 1)) * v.rows_max * (v.dim_v + 1)
+    want = 16 + max(b * real(b * per_req, slots) for b in range(1, bs + 1)) * v.rows_max * (v.dim_v + 1)
     assert a.workspace_numel(bs, dev) == want
     calls.clear()
     for n in (bs, bs - 7, 1, bs):
         a.workspace_numel(n, dev)
     assert len(calls) <= 4, f"{len(calls)} split-count searches for 4 sizes already seen"
     f = _kernel(nsplit=32)
-    assert f.workspace_numel(bs) == bs * 32 * f.variant.rows_max * (f.variant.dim_v + 1)
+    assert f.workspace_numel(bs) == 16 + bs * 32 * f.variant.rows_max * (f.variant.dim_v + 1)
 
 
 class _ArgsModule(RecordingModule):
@@ -469,7 +470,10 @@ def test_fp8_variant_takes_e4m3_caches_and_bf16_variants_refuse_them():
 
 
 class _DirectModule(_AbiModule):
-    """A module with run_direct: records its arguments."""
+    """A module with run_direct (and the fused merge's counters, ABI 3): records its arguments."""
+
+    run_abi = 3
+    fused_merge = True
 
     def run_direct(self, *args):
         self.calls += 1
@@ -514,7 +518,7 @@ def test_direct_batch_arguments_reach_run_direct_by_name(monkeypatch, idx_dtype)
     got = dict(zip(names, k.module.direct_args))
     assert len(k.module.direct_args) == len(names)
     is64 = int(idx_dtype == torch.int64)
-    o_part = ws.data_ptr()
+    o_part = ws.data_ptr() + 64  # after the merge-counter header
     want = dict(q=q.data_ptr(), q_stride_tok=8 * 576, q_stride_head=576, kv=kv.data_ptr(), kv_stride_slot=576,
                 req_to_token=r2t.data_ptr(), table_stride=48, table_rows=6, table_cols=40,
                 req_pool_indices=rpi.data_ptr(), rpi_is_int64=is64, seq_lens=seq.data_ptr(), seq_lens_is_int64=is64,
@@ -523,7 +527,7 @@ def test_direct_batch_arguments_reach_run_direct_by_name(monkeypatch, idx_dtype)
                 out=out.data_ptr(), out_stride_tok=8 * 512, out_stride_head=512, lse=0, lse_stride_tok=0,
                 k_new=k_new.data_ptr(), k_new_stride_tok=576, kv_write_loc=loc.data_ptr(), kv_num_slots=100,
                 batch_size=bs, q_len=q_len, num_splits=plan.splits, min_tiles_per_split=k.min_tiles_per_split(),
-                softmax_scale=0.25, stream=7)
+                merge_counters=0, softmax_scale=0.25, stream=7)  # 0: this workspace's header was not zeroed by mlagen
     assert got == want
     rows = torch.zeros(q_len, dtype=torch.int64)
     k.launch(k.direct_batch(plan, seq, rpi, extra=q_len, num_padding=npad, tree_rows=rows), q, kv, out, 0.25)
@@ -570,3 +574,40 @@ def test_verify_batch_fast_constructor_equals_the_dataclass():
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.bs = 4
     assert dataclasses.replace(fast, launch_args=()).launch_args == ()
+
+
+def test_merge_counters_only_for_workspaces_mlagen_zeroed(monkeypatch):
+    """The fused merge gets the workspace's header address only when alloc_workspace (or the call's own
+    allocation) zeroed it, the module supports the merge (ABI 3, fused_merge) and the kernel's fused_merge flag is
+    set; otherwise 0 (the combine kernel runs). The header is 16 floats of zeros ahead of o_part."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _DirectModule()
+    ws = k.alloc_workspace(3, "cpu")
+    assert ws.numel() == k.workspace_numel(3) and torch.equal(ws[:16], torch.zeros(16))
+    assert k.merge_counters(ws) == ws.data_ptr()
+    own = torch.full((k.workspace_numel(3),), float("nan"))
+    assert k.merge_counters(own) == 0  # a header mlagen did not zero would make the merge's wait fail
+    assert k.merge_counters(ws[:100]) == ws.data_ptr()  # a view starting at the same address: the same memory
+    assert k.merge_counters(ws[16:]) == 0
+    r2t = torch.zeros(6, 40, dtype=torch.int32)
+    assert k.direct_plan(r2t, q_len=9, batch_size=3, workspace=ws).tail[-1] == ws.data_ptr()
+    assert k.direct_plan(r2t, q_len=9, batch_size=3, workspace=own).tail[-1] == 0
+    mine = k._checked_workspace(None, 3, 16, "cpu", {})  # what a call without a workspace allocates: zeroed, merged
+    assert k.merge_counters(mine) == mine.data_ptr() and torch.equal(mine[:16], torch.zeros(16))
+    k.fused_merge = False
+    assert k.merge_counters(ws) == 0
+    k.fused_merge = True
+    k.module = _AbiModule()  # ABI 2: no counters argument at all
+    assert k.merge_counters(ws) == 0
+    assert len(k._run_tail(3, 9, 16, ws)) == 4
+    nomerge = _DirectModule()
+    nomerge.fused_merge = False  # a rowblock / dimsplit module
+    k.module = nomerge
+    assert k.merge_counters(ws) == 0 and k._run_tail(3, 9, 16, ws)[-1] == 0
+    import mlagen.ops as ops
+
+    monkeypatch.setenv("MLAGEN_FUSED_MERGE", "0")
+    assert ops.fused_merge_default() is False
+    monkeypatch.setenv("MLAGEN_FUSED_MERGE", "1")
+    assert ops.fused_merge_default() is True

@@ -2,8 +2,9 @@
 each value is its own module (``#define NAME value`` ahead of the rendered source), every shape is timed
 for every build in alternating rounds (the median of the rounds is printed), so clock and machine drift
 fall on all builds alike; first, each build's output is compared bit for bit with the first's on one problem
-per shape (a difference stops the run). Diagnostic defines: MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER,
-MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT, MLAGEN_DST_MASK_PEEL (include/mlagen/mla_verify_dimsplit_t.cuh),
+per shape (a difference stops the run; with --atol, a max |difference| above it). Diagnostic defines:
+MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER, MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT, MLAGEN_DST_MASK_PEEL,
+MLAGEN_DST_MERGE (include/mlagen/mla_verify_dimsplit_t.cuh),
 MLAGEN_MBAR_WAIT (include/mlagen/ptx.cuh), MLAGEN_BATCH_DIRECT (include/mlagen/mla_verify_batch.cuh), MLAGEN_ABLATE
 (include/mlagen/mla_verify_partial.cuh).
 Several --define options are zipped: build i gets the i-th value of each (all must list as many values).
@@ -11,6 +12,8 @@ Several --define options are zipped: build i gets the i-th value of each (all mu
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PROLOGUE=0,1 [--contexts 4096,65536] [--batches 1,4]
         [--build-only]
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PRODUCER=1,0,1,0 --define MLAGEN_DST_TREE_ROWS=1,1,0,0
+    python3 tools/device_ab_define.py URI --define MLAGEN_DST_MERGE=0,1,1 --define AB_TAG=0,0,1 --fused-merge 1,0,1 \
+        --atol 0.0625    # the merge code built but unused, and used (its fp32 sums run in another order)
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
 table: shape, µs per build (median of --rounds CUDA-graph medians), and each build's ratio to the first.
@@ -52,6 +55,10 @@ def main() -> int:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--atol", type=float, default=0.0,
+                    help="largest max |difference| of a build's output from the first's (default 0: bit-identical)")
+    ap.add_argument("--fused-merge", help="per build, 1 or 0: whether its launches may fold the combine in "
+                    "(VerifyKernel.fused_merge; default 1 for every build)")
     ap.add_argument("--build-only", action="store_true",
                     help="compile the builds and stop (a later run with the same arguments reuses them)")
     a = ap.parse_args()
@@ -86,6 +93,14 @@ def main() -> int:
         print(f"built {len(built)} builds of {a.uri} in {out_dir}")
         return 0
     kernels = [VerifyKernel(v, so, mod) for mod, so in built]
+    if a.fused_merge:
+        flags = a.fused_merge.split(",")
+        if len(flags) != len(kernels) or any(f not in ("0", "1") for f in flags):
+            sys.exit(f"--fused-merge takes one 0 / 1 per build ({len(kernels)})")
+        for k, f in zip(kernels, flags):
+            k.fused_merge = f == "1"
+    tag = [f"merge {int(k.fused_merge and bool(getattr(k.module, 'fused_merge', False)))}" for k in kernels]
+    print("builds: " + ", ".join(f"{x} ({t})" for x, t in zip(values, tag)))
     shapes = [Shape(v.heads, v.q_len, b, c, v.page_size) for b in map(int, a.batches.split(","))
               for c in map(int, a.contexts.split(","))]
     # the builds must compute the same thing: outputs compared bit for bit on one problem per shape
@@ -100,8 +115,12 @@ def main() -> int:
             k(pr.q, pr.kv_cache, pr.block_table, pr.kv_lens, out=out, **pr.kernel_args())
             outs.append(out)
         torch.cuda.synchronize()
-        same = all(torch.equal(outs[0], o) for o in outs[1:]) and not outs[0].isnan().any().item()
-        print(f"bs {shape.batch_size} ctx {shape.context}: outputs of every build {'equal' if same else 'DIFFER'}")
+        nan = any(o.isnan().any().item() for o in outs)
+        diff = max((float((o.float() - outs[0].float()).abs().max()) for o in outs[1:]), default=0.0)
+        same = not nan and (diff == 0.0 if a.atol == 0 else diff <= a.atol)
+        print(f"bs {shape.batch_size} ctx {shape.context}: outputs of every build "
+              f"{'equal' if same and diff == 0 else f'within {a.atol} (max |diff| {diff:.3g})' if same else 'DIFFER'}"
+              + (" (NaN)" if nan else ""))
         if not same:
             return 1
     times = {(i, s): [] for i in range(len(kernels)) for s in range(len(shapes))}

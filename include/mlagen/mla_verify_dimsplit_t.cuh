@@ -37,6 +37,7 @@
 
 #include "mlagen/mla_verify_config.cuh"
 #include "mlagen/mla_verify_dimsplit.cuh"  // dimsplit_produce_bf16
+#include "mlagen/mla_verify_merge.cuh"
 #include "mlagen/mla_verify_new_kv.cuh"
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_partial.cuh"  // key_visible
@@ -67,6 +68,12 @@
 // between the two halves of every step, for A/B timing (perf-notes v20). e4m3 builds keep the single loop either way.
 #ifndef MLAGEN_DST_MASK_PEEL
 #define MLAGEN_DST_MASK_PEEL 1
+#endif
+
+// MLAGEN_DST_MERGE 1 (every shipped build): the kernel can fold the combine in (mla_verify_merge.cuh; the launch decides
+// per grid); 0: no merge code in the kernel, every launch runs the combine kernel, for A/B timing (perf-notes v21).
+#ifndef MLAGEN_DST_MERGE
+#define MLAGEN_DST_MERGE 1
 #endif
 
 // MLAGEN_DST_FP8_CONVERT 0 (every shipped build): the output warps' e4m3 -> bf16 conversion of a tile issues all of a
@@ -160,6 +167,8 @@ struct MlaDimSplitTConfig {
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
   // instruction cache; bf16 1.1-3.4 % faster). Not for e4m3 pools: there it measured 0.996-1.009x.
   static constexpr bool kMaskPeel = MLAGEN_DST_MASK_PEEL != 0 && !kKvFp8;
+  // The combine folded into this kernel when the launch's grid is co-resident (mla_verify_merge.cuh, perf-notes v21).
+  static constexpr bool kFusedMerge = MLAGEN_DST_MERGE != 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -265,13 +274,12 @@ struct MlaDimSplitTConfig {
   static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
+  static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
 };
 
+// One CTA's partial: o_part / lse_part of its (row block, split, request), in smem_raw (Cfg::kSmemBytes).
 template <class Cfg>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
-    mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
-  ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+__device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, unsigned char* smem_raw) {
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kConsStages][kBlockN][kKvRowElems]
   uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv;  // fp8: [kStages][kBlockN][kFp8RowBytes] (16-byte aligned rows)
   unsigned char* smem_rest = smem_raw + Cfg::kSmemKv + Cfg::kSmemFp8;
@@ -792,6 +800,22 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncwarp();
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
+}
+
+// With p.merge_counters set (a co-resident grid: mla_verify_launch.cuh) the CTAs then merge the partials into out /
+// lse themselves (mla_verify_merge.cuh) and no combine kernel runs; the ring is free by then and holds the merge's
+// scratch.
+template <class Cfg>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
+    mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
+  ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  dimsplit_t_partial<Cfg>(p, smem_raw);
+  if constexpr (Cfg::kFusedMerge) {
+    if (p.merge_counters != nullptr) {
+      merge_partials<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, Cfg::kThreads>(p, smem_raw);
+    }
+  }
 }
 
 }  // namespace mlagen

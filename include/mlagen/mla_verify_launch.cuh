@@ -1,4 +1,5 @@
-// mlagen/mla_verify_launch.cuh — host-side launch of partial + combine for one config.
+// mlagen/mla_verify_launch.cuh — host-side launch of partial + combine for one config (dimsplit_t: one kernel when
+// its grid is co-resident and the caller passes merge counters, mla_verify_merge.cuh).
 // Graph safe: no allocation, no host sync; grid = (row blocks, num_splits, batch) fixed by the
 // variant and the batch size; lengths are read on the device.
 #pragma once
@@ -77,8 +78,61 @@ cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
+// Clusters of the partial kernel that can be resident on the current device at once (cudaOccupancyMaxActiveClusters,
+// for cluster schedules; 0 otherwise or when the query fails), cached per device; refresh = true queries again (after
+// the shared-memory carveout changed).
 template <class Cfg>
-cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
+int mla_verify_max_active_clusters(bool refresh = false) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  static bool known[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (!Cfg::kDimSplit) return 0;
+  if (refresh || !known[dev]) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(Cfg::kClusterCtas, 1, 1);
+    cfg.blockDim = dim3(Cfg::kThreads);
+    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, partial_kernel<Cfg>(), &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    cached[dev] = n;
+    known[dev] = true;
+  }
+  return cached[dev];
+}
+
+// Whether Cfg's partial kernel can fold the combine in (dimsplit_t built with MLAGEN_DST_MERGE 1).
+template <class Cfg>
+constexpr bool mla_verify_supports_fused_merge() {
+  if constexpr (Cfg::kTransposed) {
+    return Cfg::kFusedMerge;
+  } else {
+    return false;
+  }
+}
+
+// Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): a
+// dimsplit_t config, merge counters given, and every cluster of the grid resident at once on this device, since the
+// merge waits for all of them.
+template <class Cfg>
+bool mla_verify_fused_merge(const MlaVerifyParams& p, long long num_clusters) {
+  if constexpr (!mla_verify_supports_fused_merge<Cfg>()) {
+    return false;
+  } else {
+    return p.merge_counters != nullptr && num_clusters <= mla_verify_max_active_clusters<Cfg>();
+  }
+}
+
+template <class Cfg>
+cudaError_t mla_verify_launch(const MlaVerifyParams& p_in, cudaStream_t stream) {
+  MlaVerifyParams p = p_in;
   // Defence in depth (the Python wrapper checks these first): grid and workspace layout assume them.
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   if (p.q_len < 1 || p.q_len > Cfg::kQLenMax || p.batch_size < 0 || p.batch_size > 65535) return cudaErrorInvalidValue;
@@ -92,9 +146,11 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   // dimsplit, dimsplit_t: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
   const dim3 grid_partial(Cfg::kRowBlocks * Cfg::kClusterCtas, p.num_splits, p.batch_size);
+  const bool fused = mla_verify_fused_merge<Cfg>(p, static_cast<long long>(Cfg::kRowBlocks) * p.num_splits * p.batch_size);
+  if (!fused) p.merge_counters = nullptr;
   partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || fused) return err;
   switch (combine_chunks(p.num_splits)) {
     case 8:
       return mla_verify_combine_launch<Cfg, 8>(p, stream);

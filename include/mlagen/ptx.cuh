@@ -252,5 +252,25 @@ __device__ __forceinline__ void griddep_wait() {
 #endif
 }
 
+// ---- Grid-wide arrival counters in global memory (PTX ISA memory consistency model: release / acquire at gpu
+// scope). A CTA's earlier global stores, made CTA-wide by a bar.sync before the release, are visible to a thread
+// whose acquire load reads the released value (or a later one), and to its CTA after a following bar.sync.
+__device__ __forceinline__ void red_release_gpu_add(unsigned int* addr, unsigned int v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* addr) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+// Global nanosecond timer (PTX %globaltimer; coarse, but monotonic across SMs): bounds spin-waits.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 }  // namespace ptx
 }  // namespace mlagen
