@@ -32,8 +32,9 @@ AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best w
 # H200, H8 q9 bs4 dimsplit (one run, docs/perf-notes.md): fixed 16 splits (one wave) ran 1.28 / 1.15 /
 # 1.06 / 1.02x faster than the 33 the 3 % slack picked, at 4k / 16k / 64k / 128k; bs1 is unchanged (63-66).
 AUTO_WAVE_SLACK_CLUSTER = 1.05
-# The workspace starts with a 64-byte header: the fused merge's two arrival counters (include/mlagen/mla_verify_merge.cuh),
-# zeroed by alloc_workspace and left at zero by every launch; o_part and lse_part follow it.
+# The workspace starts with a 64-byte header: the fused merge's two arrival counters
+# (include/mlagen/mla_verify_merge.cuh), zeroed by alloc_workspace and left at zero by every launch; o_part and
+# lse_part follow it.
 WS_HEADER_FLOATS = 16
 # Workspaces whose header mlagen zeroed (alloc_workspace), by address: only those are given to the fused merge, since a
 # header that is not zero would make its wait fail (a trap, not a hang). Entries leave with their tensors.
@@ -250,8 +251,9 @@ class VerifyKernel:
             tree_mask: int64 [bs, q_len] bitmasks (mask 'tree' only): bit j of row i = query i sees draft j.
             req_pool_indices: optional int32/int64 [bs]: request b reads block_table[req_pool_indices[b]].
             out: optional bf16 [bs*q_len, H, kv_lora_rank]; lse: optional fp32 [bs*q_len, H] (natural log).
-            workspace: optional fp32 1-D from :meth:`alloc_workspace`. With out and workspace given,
-                the call allocates nothing and never synchronizes (CUDA-graph safe).
+            workspace: optional fp32 1-D from :meth:`alloc_workspace` (its 64-byte header is mlagen's: write
+                only the rest; a workspace made otherwise works, but never folds the combine in). With out and
+                workspace given, the call allocates nothing and never synchronizes (CUDA-graph safe).
             k_new: optional bf16 [bs*q_len, D] or [bs*q_len, 1, D]: this step's draft rows (SGLang's ``k``
                 of the layer). Draft token i of request b (position kv_len - q_len + i) is then read from
                 row b*q_len + i of k_new, never from kv_cache. Rows contiguous and 16-byte aligned.

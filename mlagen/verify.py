@@ -10,7 +10,7 @@ import math
 import torch
 
 from mlagen.cases import Problem, verify_cases
-from mlagen.ops import VerifyKernel
+from mlagen.ops import WS_HEADER_FLOATS, VerifyKernel
 from mlagen.reference import mla_verify_reference, split_kv_scale
 
 # bf16 output (8 significant bits: round-to-nearest moves a value by at most 2^-8 of it) of fp32-accumulated
@@ -83,7 +83,8 @@ def run_case(kernel: VerifyKernel, p: Problem) -> CaseResult:
     v = kernel.variant
     out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device=p.q.device)
     lse = torch.full((p.q.shape[0], v.heads), float("nan"), dtype=torch.float32, device=p.q.device)
-    ws = kernel.alloc_workspace(p.batch_size, p.q.device).fill_(float("nan"))
+    ws = kernel.alloc_workspace(p.batch_size, p.q.device)
+    ws[WS_HEADER_FLOATS:].fill_(float("nan"))  # the partials; the header holds the merge counters (zero)
     args = p.kernel_args()
     k_scale, v_scale = split_kv_scale(p.kv_scale)
     args["softmax_scale"] = p.softmax_scale * k_scale

@@ -70,10 +70,11 @@
 #define MLAGEN_DST_MASK_PEEL 1
 #endif
 
-// MLAGEN_DST_MERGE 1 (every shipped build): the kernel can fold the combine in (mla_verify_merge.cuh; the launch decides
-// per grid); 0: no merge code in the kernel, every launch runs the combine kernel, for A/B timing (perf-notes v21).
+// MLAGEN_DST_MERGE 0 (every shipped build): no merge code in the kernel, every launch runs the combine kernel; 1: the
+// kernel can fold the combine in (mla_verify_merge.cuh; the launch decides per grid), a diagnostic build: on an H200
+// it measured 1.1-11 % slower than the combine kernel (perf-notes v21).
 #ifndef MLAGEN_DST_MERGE
-#define MLAGEN_DST_MERGE 1
+#define MLAGEN_DST_MERGE 0
 #endif
 
 // MLAGEN_DST_FP8_CONVERT 0 (every shipped build): the output warps' e4m3 -> bf16 conversion of a tile issues all of a
@@ -167,7 +168,8 @@ struct MlaDimSplitTConfig {
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
   // instruction cache; bf16 1.1-3.4 % faster). Not for e4m3 pools: there it measured 0.996-1.009x.
   static constexpr bool kMaskPeel = MLAGEN_DST_MASK_PEEL != 0 && !kKvFp8;
-  // The combine folded into this kernel when the launch's grid is co-resident (mla_verify_merge.cuh, perf-notes v21).
+  // The combine folded into this kernel when the launch's grid is co-resident (mla_verify_merge.cuh, perf-notes v21;
+  // diagnostic builds only: slower than the combine kernel so far).
   static constexpr bool kFusedMerge = MLAGEN_DST_MERGE != 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.

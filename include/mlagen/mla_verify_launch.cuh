@@ -146,7 +146,8 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p_in, cudaStream_t stream) 
     return cudaErrorInvalidValue;
   // dimsplit, dimsplit_t: two CTAs (a cluster, compile-time __cluster_dims__) per row block.
   const dim3 grid_partial(Cfg::kRowBlocks * Cfg::kClusterCtas, p.num_splits, p.batch_size);
-  const bool fused = mla_verify_fused_merge<Cfg>(p, static_cast<long long>(Cfg::kRowBlocks) * p.num_splits * p.batch_size);
+  const long long clusters = static_cast<long long>(Cfg::kRowBlocks) * p.num_splits * p.batch_size;
+  const bool fused = mla_verify_fused_merge<Cfg>(p, clusters);
   if (!fused) p.merge_counters = nullptr;
   partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();

@@ -2,7 +2,9 @@
 // resident at once (the launch checks it: mla_verify_launch.cuh). After writing its partial (o_part, lse_part), every
 // CTA of the grid arrives on a global counter, waits until all have arrived, then merges its share of the outputs:
 //   lse = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - lse) * o_s   (as mla_verify_combine.cuh, same live splits)
-// It saves the combine's launch and the wait for the partial grid's end (docs/perf-notes.md v21).
+// It removes the combine's launch; on an H200 it measured 1.1-11 % slower than the combine kernel (docs/perf-notes.md
+// v21: after the grid-wide wait the merge reads the ~9.3 MB of partials at about half the combine kernel's rate), so
+// only diagnostic builds (MLAGEN_DST_MERGE 1) contain it.
 //
 //   item    128 output dims (32 lanes x float4) of one (request, row): items = bs x q_len*H x kDimV / 128.
 //   share   CTA c of the grid's n takes items c, c + n, c + 2n, ... (a round-robin over the linear block index);
@@ -14,6 +16,11 @@
 // The wait is bounded: a grid that was not co-resident (which the launch's occupancy check rules out) or counters
 // that were not 0 end in a trap (a launch error) instead of a hang.
 #pragma once
+// MLAGEN_MERGE_DIAG (diagnostic timing only; outputs are then wrong): 0 the merge as described; 1 the arrival wait and
+// the counters only, no merge work (out / lse not written); 2 the merge work without waiting for the other CTAs.
+#ifndef MLAGEN_MERGE_DIAG
+#define MLAGEN_MERGE_DIAG 0
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -53,7 +60,7 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
   unsigned int* departed = p.merge_counters + 1;
 
   __syncthreads();  // the CTA's partial stores come before thread 0's release
-  if (tid == 0) {
+  if (tid == 0 && MLAGEN_MERGE_DIAG != 2) {
     __threadfence();
     ptx::red_release_gpu_add(arrived, 1u);
     const uint64_t t0 = ptx::globaltimer_ns();
@@ -72,7 +79,8 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
   float* w_smem = w_all + warp * kMergeMaxSplits;
   const int rows = p.q_len * kHeads;
   const int items = p.batch_size * rows * kColBlocks;
-  const int my_items = static_cast<int>(cta) < items ? (items - 1 - static_cast<int>(cta)) / static_cast<int>(n_cta) + 1 : 0;
+  const int first = static_cast<int>(cta), stride = static_cast<int>(n_cta);
+  const int my_items = MLAGEN_MERGE_DIAG == 1 ? 0 : first < items ? (items - 1 - first) / stride + 1 : 0;
   const int groups = my_items >= kWarps ? 1 : kWarps / (my_items > 0 ? my_items : 1);
   const int per_pass = kWarps / groups;
   for (int pass0 = 0; pass0 < my_items; pass0 += per_pass) {  // the same trip count in every warp of the CTA
@@ -81,7 +89,7 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
     int b = 0, r = 0, cb = 0;
     float lse_max = -INFINITY, wsum = 0.f;
     if (active) {
-      const int it = static_cast<int>(cta) + k * static_cast<int>(n_cta);
+      const int it = first + k * stride;
       b = it / (rows * kColBlocks);
       r = (it / kColBlocks) % rows;
       cb = it % kColBlocks;
@@ -164,7 +172,8 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
     }
     __syncthreads();  // acc_all and the weights are reused by the next pass
   }
-  if (tid == 0) {  // every CTA that departs has finished its wait: the last one resets the counters for the next launch
+  // Every CTA that departs has finished its wait: the last one resets the counters for the next launch.
+  if (tid == 0 && MLAGEN_MERGE_DIAG != 2) {
     if (atomicAdd(departed, 1u) == n_cta - 1) {
       atomicExch(arrived, 0u);
       atomicExch(departed, 0u);
