@@ -23,6 +23,28 @@ namespace mlagen {
 inline constexpr int kMaxSplits = 256;
 inline constexpr int kCombineThreads = 128;
 
+__device__ __forceinline__ void add_float4(float4& acc, const float4& a) {
+  acc.x += a.x;
+  acc.y += a.y;
+  acc.z += a.z;
+  acc.w += a.w;
+}
+
+// The last step of merging one output row's split partials (the combine, or the merge in mla_verify_merge.cuh):
+// out[token of row, head of row, dims d..d+3] = acc / wsum in bf16 (0 when no split had a visible key), and with
+// lse_lane (and an lse output) the row's lse = lse_max + log(wsum) (-inf when none had).
+template <int kHeads>
+__device__ __forceinline__ void store_merged_row(const MlaVerifyParams& p, int b, int row, int d, const float4& acc,
+                                                 float wsum, float lse_max, bool lse_lane) {
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const int qi = row / kHeads, h = row % kHeads;
+  const int64_t tok = static_cast<int64_t>(b) * p.q_len + qi;
+  __nv_bfloat16* out_row = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + d;
+  *reinterpret_cast<__nv_bfloat162*>(out_row) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(out_row + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  if (p.lse != nullptr && lse_lane) p.lse[tok * p.lse_stride_tok + h] = wsum > 0.f ? lse_max + logf(wsum) : -INFINITY;
+}
+
 // Compile-time shape of the combine. A row's kDimV / 4 float4 columns are cut into kChunks chunks, one CTA per
 // (row, chunk, request). In a CTA, kLanes = kDimV / 4 / kChunks threads cover the chunk (4 dims each) and
 // kGroups = kCombineThreads / kLanes such groups read disjoint splits (s = g, g + kGroups, ...); group 0 sums them
@@ -118,23 +140,9 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     __syncthreads();
     if (group > 0) return;
 #pragma unroll
-    for (int g = 0; g < kGroups - 1; ++g) {
-      const float4 a = acc_smem[g][lane];
-      acc.x += a.x;
-      acc.y += a.y;
-      acc.z += a.z;
-      acc.w += a.w;
-    }
+    for (int g = 0; g < kGroups - 1; ++g) add_float4(acc, acc_smem[g][lane]);
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  const int qi = row / kHeads, h = row % kHeads;
-  const int64_t tok = static_cast<int64_t>(b) * p.q_len + qi;
-  __nv_bfloat16* out_row = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + d;
-  *reinterpret_cast<__nv_bfloat162*>(out_row) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(out_row + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (p.lse != nullptr && chunk == 0 && tid == 0) {
-    p.lse[tok * p.lse_stride_tok + h] = wsum > 0.f ? lse_max + logf(wsum) : -INFINITY;
-  }
+  store_merged_row<kHeads>(p, b, row, d, acc, wsum, lse_max, chunk == 0 && tid == 0);
 }
 
 // Dim chunks per row for a launch of num_splits splits: more CTAs per row when each row has many partials.

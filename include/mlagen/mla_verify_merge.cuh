@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_batch.cuh"
+#include "mlagen/mla_verify_combine.cuh"  // store_merged_row, add_float4
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
@@ -33,7 +34,7 @@
 namespace mlagen {
 
 inline constexpr int kMergeCounterWords = 2;  // unsigned ints at p.merge_counters: arrivals, departures
-inline constexpr int kMergeMaxSplits = 256;   // = kMaxSplits (mla_verify_combine.cuh)
+inline constexpr int kMergeMaxSplits = kMaxSplits;  // splits per launch (mla_verify_combine.cuh)
 inline constexpr uint64_t kMergeSpinLimitNs = 4000000000ull;  // 4 s: only a non-resident grid waits this long
 
 template <int kThreads>
@@ -152,23 +153,8 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
     __syncthreads();  // the item's group sums are in acc_all
     if (active && sg == 0) {
       float4 acc = acc_all[warp * 32 + lane];
-      for (int gi = 1; gi < groups; ++gi) {
-        const float4 a = acc_all[(warp + gi) * 32 + lane];
-        acc.x += a.x;
-        acc.y += a.y;
-        acc.z += a.z;
-        acc.w += a.w;
-      }
-      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-      const int qi = r / kHeads, h = r % kHeads;
-      const int64_t tok = static_cast<int64_t>(b) * p.q_len + qi;
-      __nv_bfloat16* out_row = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + cb * 128 +
-                               lane * 4;
-      *reinterpret_cast<__nv_bfloat162*>(out_row) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-      *reinterpret_cast<__nv_bfloat162*>(out_row + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-      if (p.lse != nullptr && cb == 0 && lane == 0) {
-        p.lse[tok * p.lse_stride_tok + h] = wsum > 0.f ? lse_max + logf(wsum) : -INFINITY;
-      }
+      for (int gi = 1; gi < groups; ++gi) add_float4(acc, acc_all[(warp + gi) * 32 + lane]);
+      store_merged_row<kHeads>(p, b, r, cb * 128 + lane * 4, acc, wsum, lse_max, cb == 0 && lane == 0);
     }
     __syncthreads();  // acc_all and the weights are reused by the next pass
   }
