@@ -139,7 +139,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--l2-bytes", choices=["bs1", "all", "off"], default="bs1",
                     help="profile the winner of the 64k rows with Nsight Compute for bytes L2 -> SM and DRAM reads per "
                     "KV byte: 'bs1' (default) the batch-1 rows, 'all' every 64k row (~20 s each), 'off'; skipped "
-                    "with one line when ncu is not found")
+                    "with one line when ncu is not found or under --smem-per-sm")
     ap.add_argument("--build-only", action="store_true",
                     help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -431,8 +431,10 @@ def main(argv=None) -> int:
         return 1
     print(f"built + verified {sum(len(v) for v in kernels.values())} variants in {time.time() - t0:.0f} s", flush=True)
 
-    ncu = _ncu_path() if a.l2_bytes != "off" else None
-    if a.l2_bytes != "off" and ncu is None:
+    ncu = _ncu_path() if a.l2_bytes != "off" and smem_cap is None else None
+    if a.l2_bytes != "off" and smem_cap is not None:
+        print("L2 -> SM column skipped: --smem-per-sm (its ncu child would run at the native occupancy)")
+    elif a.l2_bytes != "off" and ncu is None:
         print("L2 -> SM column skipped: ncu not found (PATH, $NCU, /usr/local/cuda/bin)")
     rows, sweep = [], []
     for i in ids:

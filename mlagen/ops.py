@@ -211,10 +211,10 @@ class VerifyKernel:
         return max(1, AUTO_MIN_TOKENS_PER_SPLIT // self.variant.block_n)
 
     def workspace_numel(self, batch_size: int, device: torch.device | None = None) -> int:
-        """fp32 elements of split workspace needed for every batch size up to ``batch_size``:
-        o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len]. O(1): fixed nsplit in
-        closed form; auto from running maxima kept per CTA-slot count (a batch size not seen before
-        costs one split count per new size, once)."""
+        """fp32 elements of split workspace needed for every batch size up to ``batch_size``: a 16-float
+        header (WS_HEADER_FLOATS) + o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len].
+        O(1): fixed nsplit in closed form; auto from running maxima kept per CTA-slot count (a batch size not
+        seen before costs one split count per new size, once)."""
         v = self.variant
         n = max(1, batch_size)
         if v.nsplit != "auto":
@@ -229,7 +229,7 @@ class VerifyKernel:
         """Allocate the 1-D fp32 workspace for batches up to ``batch_size``: a 64-byte header (the fused merge's
         counters, zeroed here on the current stream; every launch leaves them at zero), then o_part and lse_part.
         Use one workspace per stream: two launches in flight on one workspace would share its partials."""
-        return _new_workspace(self.workspace_numel(batch_size, torch.device(device)), device)
+        return _new_workspace(self.workspace_numel(batch_size, torch.device(device)), device, self._can_fuse)
 
     # ---- launch
     def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len: int, softmax_scale: float, tree_mask=None,
@@ -660,7 +660,7 @@ class VerifyKernel:
         """The workspace for (bs, splits), allocated when None; checks size, alignment, no overlap with ``others``."""
         need = WS_HEADER_FLOATS + bs * splits * self.variant.rows_max * (self.variant.dim_v + 1)
         if workspace is None:
-            workspace = _new_workspace(need, device)
+            workspace = _new_workspace(need, device, self._can_fuse)
         _check(workspace, "workspace", torch.float32, ndim=1)
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
@@ -671,7 +671,7 @@ class VerifyKernel:
     def _batch_run_args(self, block_table, req_pool_indices, kv_lens, tree_mask, workspace, bs: int, q_len: int,
                         splits: int) -> tuple[tuple, tuple]:
         """module.run's per-batch arguments, in its order: (those between kv_cache and out, those between lse
-        and the scale). The workspace holds o_part [bs, splits, rows_max, dim_v] then lse_part (fp32)."""
+        and the scale). The workspace holds its header, o_part [bs, splits, rows_max, dim_v], then lse_part (fp32)."""
         o_part, lse_part = self._workspace_parts(workspace, bs, splits)
         head = (block_table.data_ptr(), block_table.stride(0),
                 req_pool_indices.data_ptr() if req_pool_indices is not None else 0,
@@ -690,10 +690,15 @@ class VerifyKernel:
         """The address of ``workspace``'s merge counters when this launch may fold the combine in (the module
         supports it, :attr:`fused_merge` is set and mlagen zeroed the workspace's header), else 0. The module then
         uses them only if the grid is co-resident on the device (include/mlagen/mla_verify_launch.cuh)."""
-        if not (self.fused_merge and getattr(self.module, "fused_merge", False) and self._run_abi >= 3):
+        if not (self.fused_merge and self._can_fuse):
             return 0
         ptr = workspace.data_ptr()
         return ptr if _ZEROED_WORKSPACES.get(ptr) is not None else 0
+
+    @property
+    def _can_fuse(self) -> bool:
+        """Whether this module can fold the combine in (a diagnostic build: MLAGEN_DST_MERGE=1, run ABI 3)."""
+        return bool(getattr(self.module, "fused_merge", False)) and self._run_abi >= 3
 
     @property
     def _run_abi(self) -> int:
@@ -803,11 +808,13 @@ def fused_merge_default() -> bool:
     return os.environ.get("MLAGEN_FUSED_MERGE", "1") != "0"
 
 
-def _new_workspace(numel: int, device) -> torch.Tensor:
-    """An fp32 workspace of ``numel`` elements whose merge-counter header is zero (registered as such)."""
+def _new_workspace(numel: int, device, zero_header: bool) -> torch.Tensor:
+    """An fp32 workspace of ``numel`` elements; with ``zero_header`` its merge-counter header is zeroed (on the current
+    stream) and registered as such, else left as allocated (a module that cannot merge never reads it)."""
     ws = torch.empty(numel, dtype=torch.float32, device=device)
-    ws[:WS_HEADER_FLOATS].zero_()
-    _ZEROED_WORKSPACES[ws.data_ptr()] = ws
+    if zero_header:
+        ws[:WS_HEADER_FLOATS].zero_()
+        _ZEROED_WORKSPACES[ws.data_ptr()] = ws
     return ws
 _FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
@@ -893,7 +900,7 @@ class DirectPlan:
     workspace: torch.Tensor
     table: tuple  # (address, row stride, rows, width)
     ws_args: tuple  # (o_part address, lse_part address)
-    tail: tuple  # (bs, q_len, splits, min tiles per split)
+    tail: tuple  # (bs, q_len, splits, min tiles per split[, merge counters: run ABI 3])
     device_index: int
 
 

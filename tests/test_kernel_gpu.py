@@ -328,7 +328,6 @@ def test_dimsplit_t_fused_merge_equals_the_combine_kernel(merge_kernels, i):
         # H16 at 5 requests: 2 row blocks x 13 splits x 5 = 130 clusters, two waves on an H200: the launch must run the
         # combine kernel instead (a merge would wait for clusters that cannot start), bit-identical to fused_merge False
         fits = bs * v.row_blocks * splits <= k.module.max_active_clusters()
-        assert fits or v.heads == 16, f"{v.uri}: {bs} requests should fit one wave"
         outs = []
         for fused in (True, False):
             k.fused_merge = fused
@@ -343,7 +342,8 @@ def test_dimsplit_t_fused_merge_equals_the_combine_kernel(merge_kernels, i):
         (fo, fl), (co, cl) = outs
         assert torch.isfinite(fo).all() and torch.isfinite(co).all()
         pad = slice(3 * p.q_len, 4 * p.q_len)
-        assert (fo[pad] == 0).all() and torch.isneginf(fl[pad]).all() and torch.isneginf(cl[pad]).all()
+        assert (fo[pad] == 0).all() and (co[pad] == 0).all()
+        assert torch.isneginf(fl[pad]).all() and torch.isneginf(cl[pad]).all()
         live = torch.isfinite(cl)
         assert torch.equal(live, torch.isfinite(fl))
         if not fits:

@@ -585,6 +585,16 @@ def test_merge_counters_only_for_workspaces_mlagen_zeroed(monkeypatch):
     k.module = _DirectModule()
     ws = k.alloc_workspace(3, "cpu")
     assert ws.numel() == k.workspace_numel(3) and torch.equal(ws[:16], torch.zeros(16))
+    # run()'s arguments by the template's names: the counters after min_tiles_per_split, the partials after the header
+    d = _inputs(bs=3)
+    batch = k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=ws)
+    q, out = torch.randn(27, 8, 576).to(torch.bfloat16), torch.empty(27, 8, 512, dtype=torch.bfloat16)
+    k.launch(batch, q, k.check_kv_cache(d["kv_cache"]), out, 0.5)
+    got = dict(zip(_template_params("run"), k.module.args))
+    assert len(k.module.args) == len(_template_params("run"))
+    assert (got["merge_counters"], got["o_part"], got["batch_size"], got["softmax_scale"]) == (
+        ws.data_ptr(), ws.data_ptr() + 64, 3, 0.5)
+    assert got["lse_part"] == ws.data_ptr() + 64 + 3 * k.num_splits(3) * k.variant.rows_max * 512 * 4
     assert k.merge_counters(ws) == ws.data_ptr()
     own = torch.full((k.workspace_numel(3),), float("nan"))
     assert k.merge_counters(own) == 0  # a header mlagen did not zero would make the merge's wait fail
@@ -602,9 +612,12 @@ def test_merge_counters_only_for_workspaces_mlagen_zeroed(monkeypatch):
     assert k.merge_counters(ws) == 0
     assert len(k._run_tail(3, 9, 16, ws)) == 4
     nomerge = _DirectModule()
-    nomerge.fused_merge = False  # a rowblock / dimsplit module
+    nomerge.fused_merge = False  # a shipped dimsplit_t (MLAGEN_DST_MERGE 0), rowblock or dimsplit module
     k.module = nomerge
     assert k.merge_counters(ws) == 0 and k._run_tail(3, 9, 16, ws)[-1] == 0
+    plain = k.alloc_workspace(3, "cpu")  # a module that cannot merge: no header memset, nothing registered
+    k.module = _DirectModule()
+    assert k.merge_counters(plain) == 0
     import mlagen.ops as ops
 
     monkeypatch.setenv("MLAGEN_FUSED_MERGE", "0")

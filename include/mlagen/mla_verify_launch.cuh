@@ -78,20 +78,31 @@ cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Clusters of the partial kernel that can be resident on the current device at once (cudaOccupancyMaxActiveClusters,
-// for cluster schedules; 0 otherwise or when the query fails), cached per device; refresh = true queries again (after
-// the shared-memory carveout changed).
+// Whether Cfg's partial kernel can fold the combine in (dimsplit_t built with MLAGEN_DST_MERGE 1).
+template <class Cfg>
+constexpr bool mla_verify_supports_fused_merge() {
+  if constexpr (Cfg::kTransposed) {
+    return Cfg::kFusedMerge;
+  } else {
+    return false;
+  }
+}
+
+// Clusters of the partial kernel that can be resident on the current device at once (cudaOccupancyMaxActiveClusters),
+// cached per device; refresh = true queries again (after the shared-memory carveout changed). 0 for configs that cannot
+// fold the combine in (no query: shipped builds never touch the occupancy API or the error state here) or when the
+// query fails.
 template <class Cfg>
 int mla_verify_max_active_clusters(bool refresh = false) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};
   static bool known[kMaxDevices] = {};
+  if (!mla_verify_supports_fused_merge<Cfg>()) return 0;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     (void)cudaGetLastError();
     return 0;
   }
-  if (!Cfg::kDimSplit) return 0;
   if (refresh || !known[dev]) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(Cfg::kClusterCtas, 1, 1);
@@ -106,16 +117,6 @@ int mla_verify_max_active_clusters(bool refresh = false) {
     known[dev] = true;
   }
   return cached[dev];
-}
-
-// Whether Cfg's partial kernel can fold the combine in (dimsplit_t built with MLAGEN_DST_MERGE 1).
-template <class Cfg>
-constexpr bool mla_verify_supports_fused_merge() {
-  if constexpr (Cfg::kTransposed) {
-    return Cfg::kFusedMerge;
-  } else {
-    return false;
-  }
 }
 
 // Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): a

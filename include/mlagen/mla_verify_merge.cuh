@@ -3,7 +3,7 @@
 // CTA of the grid arrives on a global counter, waits until all have arrived, then merges its share of the outputs:
 //   lse = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - lse) * o_s   (as mla_verify_combine.cuh, same live splits)
 // It removes the combine's launch; on an H200 it measured 1.1-11 % slower than the combine kernel (docs/perf-notes.md
-// v21: after the grid-wide wait the merge reads the ~9.3 MB of partials at about half the combine kernel's rate), so
+// v21: after the grid-wide wait the merge reads the 6-9 MB of partials at about half the combine kernel's rate), so
 // only diagnostic builds (MLAGEN_DST_MERGE 1) contain it.
 //
 //   item    128 output dims (32 lanes x float4) of one (request, row): items = bs x q_len*H x kDimV / 128.
@@ -13,8 +13,9 @@
 //           deterministic (they differ from the combine kernel's only by the order of the fp32 sums).
 //   counters p.merge_counters[0] arrivals, [1] departures, both 0 before the launch; the last CTA to leave sets
 //           both back to 0, so a workspace stays valid for the next launch (and CUDA-graph replays).
-// The wait is bounded: a grid that was not co-resident (which the launch's occupancy check rules out) or counters
-// that were not 0 end in a trap (a launch error) instead of a hang.
+// The wait is bounded: a grid that was not co-resident (the launch's occupancy check assumes an otherwise idle GPU;
+// kernels of other streams or processes can still hold SMs) or counters that were not 0 end in a trap after 4 s, which
+// kills the CUDA context, instead of a hang.
 #pragma once
 // MLAGEN_MERGE_DIAG (diagnostic timing only; outputs are then wrong): 0 the merge as described; 1 the arrival wait and
 // the counters only, no merge work (out / lse not written); 2 the merge work without waiting for the other CTAs.

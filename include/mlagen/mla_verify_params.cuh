@@ -52,8 +52,8 @@ struct MlaVerifyParams {
   int64_t k_new_stride_tok;
   const int64_t* kv_write_loc;
   int64_t kv_num_slots;
-  // The fused merge (dimsplit_t only; mla_verify_merge.cuh): two unsigned ints, 0 before the launch, or null for the
-  // separate combine kernel. The launch clears it when the grid would not be co-resident.
+  // The fused merge (dimsplit_t diagnostic builds only; mla_verify_merge.cuh): two unsigned ints, 0 before the launch, or
+  // null for the separate combine kernel. The launch clears it when the grid would not fit on the device at once.
   unsigned int* merge_counters;
   int batch_size;
   int q_len;
