@@ -30,6 +30,19 @@ __device__ __forceinline__ void add_float4(float4& acc, const float4& a) {
   acc.w += a.w;
 }
 
+// Split weights exp(lse_s - lse_max) in place of the lse values w[s], s = first, first + step, ... < ns (0 for a split
+// with no visible key, or when no split has one); returns this thread's sum of them.
+__device__ __forceinline__ float split_weights_in_place(float* w, int first, int step, int ns, float lse_max) {
+  float sum = 0.f;
+  for (int s = first; s < ns; s += step) {
+    const float l = w[s];
+    const float wt = (lse_max == -INFINITY || l == -INFINITY) ? 0.f : __expf(l - lse_max);
+    w[s] = wt;
+    sum += wt;
+  }
+  return sum;
+}
+
 // The last step of merging one output row's split partials (the combine, or the merge in mla_verify_merge.cuh):
 // out[token of row, head of row, dims d..d+3] = acc / wsum in bf16 (0 when no split had a visible key), and with
 // lse_lane (and an lse output) the row's lse = lse_max + log(wsum) (-inf when none had).
@@ -98,13 +111,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
   float lse_max = red_smem[0];
 #pragma unroll
   for (int w = 1; w < kWarpsC; ++w) lse_max = fmaxf(lse_max, red_smem[w]);
-  float wpart = 0.f;
-  for (int s = tid; s < ns; s += kCombineThreads) {
-    const float l = w_smem[s];
-    const float wt = (lse_max == -INFINITY || l == -INFINITY) ? 0.f : __expf(l - lse_max);
-    w_smem[s] = wt;
-    wpart += wt;
-  }
+  float wpart = split_weights_in_place(w_smem, tid, kCombineThreads, ns, lse_max);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) wpart += __shfl_xor_sync(0xffffffffu, wpart, off);
   __syncthreads();  // every thread has read red_smem's maxima: it is reused for the weight sums

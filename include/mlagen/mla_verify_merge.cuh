@@ -27,7 +27,7 @@
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_batch.cuh"
-#include "mlagen/mla_verify_combine.cuh"  // store_merged_row, add_float4
+#include "mlagen/mla_verify_combine.cuh"  // split_weights_in_place, store_merged_row, add_float4
 #include "mlagen/mla_verify_params.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
@@ -116,13 +116,7 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
       }
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      float ws = 0.f;
-      for (int s = lane; s < ns; s += 32) {
-        const float l = w_smem[s];
-        const float wt = (m == -INFINITY || l == -INFINITY) ? 0.f : __expf(l - m);
-        w_smem[s] = wt;
-        ws += wt;
-      }
+      float ws = split_weights_in_place(w_smem, lane, 32, ns, m);
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) ws += __shfl_xor_sync(0xffffffffu, ws, off);
       __syncwarp();  // every lane's weights are in w_smem
