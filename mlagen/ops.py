@@ -801,6 +801,7 @@ class MetadataFill:
 
 
 _NO_NEW_KV = (0, 0, 0, 0)
+_FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 def fused_merge_default() -> bool:
@@ -816,7 +817,6 @@ def _new_workspace(numel: int, device, zero_header: bool) -> torch.Tensor:
         ws[:WS_HEADER_FLOATS].zero_()
         _ZEROED_WORKSPACES[ws.data_ptr()] = ws
     return ws
-_FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 
 _GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU-only torch builds

@@ -119,16 +119,12 @@ int mla_verify_max_active_clusters(bool refresh = false) {
   return cached[dev];
 }
 
-// Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): a
-// dimsplit_t config, merge counters given, and every cluster of the grid resident at once on this device, since the
-// merge waits for all of them.
+// Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): merge
+// counters given, and every cluster of the grid resident at once on this device (the merge waits for all of them;
+// mla_verify_max_active_clusters is 0 for configs without the merge).
 template <class Cfg>
 bool mla_verify_fused_merge(const MlaVerifyParams& p, long long num_clusters) {
-  if constexpr (!mla_verify_supports_fused_merge<Cfg>()) {
-    return false;
-  } else {
-    return p.merge_counters != nullptr && num_clusters <= mla_verify_max_active_clusters<Cfg>();
-  }
+  return p.merge_counters != nullptr && num_clusters <= mla_verify_max_active_clusters<Cfg>();
 }
 
 template <class Cfg>

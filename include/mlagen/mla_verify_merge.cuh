@@ -34,7 +34,6 @@
 
 namespace mlagen {
 
-inline constexpr int kMergeCounterWords = 2;  // unsigned ints at p.merge_counters: arrivals, departures
 inline constexpr int kMergeMaxSplits = kMaxSplits;  // splits per launch (mla_verify_combine.cuh)
 inline constexpr uint64_t kMergeSpinLimitNs = 4000000000ull;  // 4 s: only a non-resident grid waits this long
 
