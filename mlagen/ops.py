@@ -213,6 +213,8 @@ class VerifyKernel:
     def workspace_numel(self, batch_size: int, device: torch.device | None = None) -> int:
         """fp32 elements of split workspace needed for every batch size up to ``batch_size``: a 16-float
         header (WS_HEADER_FLOATS) + o_part [bs, splits, H*q_len, kv_lora_rank] + lse_part [bs, splits, H*q_len].
+        o_part keeps this fp32 size when a build writes bf16 partials (include/mlagen/mla_verify_partial_store.cuh):
+        they fill its first half, and lse_part stays where it is.
         O(1): fixed nsplit in closed form; auto from running maxima kept per CTA-slot count (a batch size not
         seen before costs one split count per new size, once)."""
         v = self.variant
@@ -681,8 +683,8 @@ class VerifyKernel:
         return head, self._run_tail(bs, q_len, splits, workspace)
 
     def _workspace_parts(self, workspace, bs: int, splits: int) -> tuple[int, int]:
-        """Addresses of the workspace's o_part [bs, splits, rows_max, dim_v] (after the header) and the lse_part
-        after it (fp32)."""
+        """Addresses of the workspace's o_part [bs, splits, rows_max, dim_v] (after the header; fp32-sized, bf16
+        partials in its first half) and the fp32 lse_part after it."""
         o_part = workspace.data_ptr() + WS_HEADER_FLOATS * 4
         return o_part, o_part + bs * splits * self.variant.rows_max * self.variant.dim_v * 4
 

@@ -84,7 +84,8 @@ def run_case(kernel: VerifyKernel, p: Problem) -> CaseResult:
     out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device=p.q.device)
     lse = torch.full((p.q.shape[0], v.heads), float("nan"), dtype=torch.float32, device=p.q.device)
     ws = kernel.alloc_workspace(p.batch_size, p.q.device)
-    ws[WS_HEADER_FLOATS:].fill_(float("nan"))  # the partials; the header holds the merge counters (zero)
+    # the partials, all bits set: NaN as fp32 and as bf16 partials alike; the header holds the merge counters (zero)
+    ws[WS_HEADER_FLOATS:].view(torch.int32).fill_(-1)
     args = p.kernel_args()
     k_scale, v_scale = split_kv_scale(p.kv_scale)
     args["softmax_scale"] = p.softmax_scale * k_scale

@@ -297,8 +297,8 @@ def merge_kernels(tmp_path_factory):
     def build(uri):
         v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
         mod = f"{v.build_key}_merge1"
-        return VerifyKernel(v, compile_diagnostic(v, "#define MLAGEN_DST_MERGE 1\n" + render_variant(v, mod), mod,
-                                                  out_dir), mod)
+        src = "#define MLAGEN_DST_MERGE 1\n#define MLAGEN_DST_PARTIAL 1\n" + render_variant(v, mod)  # merge reads fp32
+        return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
 
     with ThreadPoolExecutor(max_workers=len(MERGE_URIS)) as pool:
         return list(pool.map(build, MERGE_URIS))
@@ -333,7 +333,7 @@ def test_dimsplit_t_fused_merge_equals_the_combine_kernel(merge_kernels, i):
             k.fused_merge = fused
             out = torch.full((bs * p.q_len, v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
             lse = torch.full((bs * p.q_len, v.heads), float("nan"), device="cuda")
-            ws[16:].fill_(float("nan"))  # partials poisoned: only what this launch writes may be read
+            ws[16:].view(torch.int32).fill_(-1)  # partials poisoned (NaN as fp32 or bf16): only this launch's are read
             k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
             torch.cuda.synchronize()
             assert torch.equal(ws[:2], torch.zeros(2, device="cuda")), f"{v.uri}: merge counters not reset"

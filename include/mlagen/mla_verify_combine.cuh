@@ -15,6 +15,7 @@
 
 #include "mlagen/mla_verify_batch.cuh"
 #include "mlagen/mla_verify_params.cuh"
+#include "mlagen/mla_verify_partial_store.cuh"
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
@@ -77,8 +78,9 @@ struct CombineShape {
 };
 
 // Grid (kRowsMax * kChunks, bs), kCombineThreads threads. Block x = row * kChunks + chunk, so the CTAs of one
-// row read adjacent 16-byte columns of the same partial rows.
-template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks>
+// row read adjacent columns of the same partial rows. PartialT: the element type of o_part (float, or
+// __nv_bfloat16 for dimsplit_t builds with MLAGEN_DST_PARTIAL 2; mla_verify_partial_store.cuh).
+template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks, typename PartialT = float>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const MlaVerifyParams p) {
   using Shape = CombineShape<kDimV, kChunks>;
   constexpr int kLanes = Shape::kLanes, kGroups = Shape::kGroups, kUnroll = Shape::kUnroll;
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
 
   const int d = chunk * (kDimV / kChunks) + lane * 4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* o_base = p.o_part + base * kDimV + d;
+  const PartialT* o_base = reinterpret_cast<const PartialT*>(p.o_part) + base * kDimV + d;
   for (int s0 = group; s0 < ns; s0 += kUnroll * kGroups) {
     float4 o[kUnroll];
     float w[kUnroll];
@@ -131,7 +133,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
     for (int u = 0; u < kUnroll; ++u) {
       const int s = s0 + u * kGroups;
       w[u] = s < ns ? w_smem[s] : 0.f;
-      o[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
+      o[u] = w[u] != 0.f ? load_partial4(o_base + static_cast<int64_t>(s) * kRowsMax * kDimV)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll

@@ -52,6 +52,17 @@ inline bool combine_pdl_enabled() {
   return on;
 }
 
+// The element type of o_part that Cfg's partial kernel writes: dimsplit_t configs say (Cfg::PartialT,
+// mla_verify_partial_store.cuh); the other schedules write fp32.
+template <class Cfg, bool = Cfg::kTransposed>
+struct CfgPartial {
+  using type = float;
+};
+template <class Cfg>
+struct CfgPartial<Cfg, true> {
+  using type = typename Cfg::PartialT;
+};
+
 // The combine of a config with kChunks dim chunks per row (mla_verify_combine.cuh). With PDL its CTAs may be
 // scheduled while the partial kernel's last CTAs still run (they wait in ptx::griddep_wait) instead of after the
 // partial kernel has drained; CUDA-graph capture keeps the programmatic edge. PDL is opt-in: a driver that
@@ -59,7 +70,8 @@ inline bool combine_pdl_enabled() {
 // anyway). Without PDL, griddep_wait returns at once (stream order already holds).
 template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
-  auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks>;
+  auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks,
+                                            typename CfgPartial<Cfg>::type>;
   const dim3 grid(Cfg::kRowsMax * kChunks, p.batch_size);
   if (combine_pdl_enabled()) {
     cudaLaunchConfig_t cfg = {};
