@@ -252,11 +252,12 @@ struct MlaDimSplitTConfig {
   // The partials (mla_verify_partial_store.cuh, perf-notes v22): their element type, and whether the output warps
   // stage their rows through the ring (bf16 ring, then the e4m3 ring: contiguous from the start of shared memory,
   // idle once every consumer warp has left its loop) or store them from registers.
-  static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL == 2;
+  static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL >= 2;
   using PartialT = typename PartialElem<kPartialBf16>::type;
   static constexpr int kPartialStageBytesPerWarp = kPartialStageBytes<PartialT, kRowsPerCta, kDimVWarp>;
-  static constexpr bool kPartialStaged =
-      MLAGEN_DST_PARTIAL != 0 && kOutWarps * kPartialStageBytesPerWarp <= kSmemKv + kSmemFp8;
+  static constexpr bool kPartialStaged = (MLAGEN_DST_PARTIAL == 1 || MLAGEN_DST_PARTIAL == 2) &&
+                                         kOutWarps * kPartialStageBytesPerWarp <= kSmemKv + kSmemFp8;
+  static constexpr bool kPartialPairs = MLAGEN_DST_PARTIAL == 4;
 
   // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
   static constexpr bool kBulkLoad = false;
@@ -289,7 +290,7 @@ struct MlaDimSplitTConfig {
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
-  static_assert(MLAGEN_DST_PARTIAL >= 0 && MLAGEN_DST_PARTIAL <= 2, "MLAGEN_DST_PARTIAL is 0, 1 or 2");
+  static_assert(MLAGEN_DST_PARTIAL >= 0 && MLAGEN_DST_PARTIAL <= 4, "MLAGEN_DST_PARTIAL is 0 to 4");
   static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL 0 or 1)");
 };
 
@@ -804,6 +805,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       // for by a consumer: the rings are idle (the peer CTA writes only the exchange buffers).
       PartialT* stage = reinterpret_cast<PartialT*>(smem_raw + ow * Cfg::kPartialStageBytesPerWarp);
       store_partial_staged(o, lsum_smem, live_rows, stage, o_base, Cfg::kDimV, lane);
+    } else if constexpr (Cfg::kPartialPairs) {
+      store_partial_pairs(o, lsum_smem, live_rows, o_base, Cfg::kDimV, lane);
     } else {
 #pragma unroll
       for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)

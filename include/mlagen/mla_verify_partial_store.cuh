@@ -16,13 +16,15 @@
 #include "mlagen/ptx.cuh"
 
 // MLAGEN_DST_PARTIAL selects the dimsplit_t partials (docs/perf-notes.md v22); other schedules keep fp32 partials.
-//   2 (every shipped build): bf16, staged through the then idle KV ring and stored as 16-byte row segments: half
-//     the bytes written by the partial kernel and read by the combine;
-//   1: fp32, staged the same way (diagnostic builds: the A/B's middle step; the fused merge reads fp32);
-//   0: fp32, each output-warp lane storing its fragments' values as 4-byte scalars (v21).
-// A build whose ring cannot hold the staged rows (block_n 16 with few stages) stores its partials from registers.
+//   0: fp32, each output-warp lane storing its fragments' values as 4-byte scalars (v21);
+//   1: fp32, staged through the then idle KV ring and stored as 16-byte row segments;
+//   2: bf16, staged the same way;
+//   3: bf16, each lane storing 2-byte scalars from registers;
+//   4: bf16 from registers, pairs of adjacent dims packed by one shuffle (store_partial_pairs): 4-byte stores.
+// 2-4 halve the bytes the partial kernel writes and the combine reads. A build whose ring cannot hold the staged
+// rows (block_n 16 with 2-3 stages) stores them from registers instead (1 -> 0, 2 -> 3).
 #ifndef MLAGEN_DST_PARTIAL
-#define MLAGEN_DST_PARTIAL 2
+#define MLAGEN_DST_PARTIAL 4
 #endif
 
 namespace mlagen {
@@ -93,6 +95,37 @@ __device__ __forceinline__ void store_partial_staged(const float (&o)[kMTiles][k
     const int r = i / kChunksPerRow, c = i % kChunksPerRow;
     const uint4 v = *reinterpret_cast<const uint4*>(stage + slot(r, c * kChunkElems));
     *reinterpret_cast<uint4*>(dst + r * row_stride + c * kChunkElems) = v;
+  }
+}
+
+// One output warp's normalized O^T fragments (as store_partial_staged) into bf16 o_part rows from registers: lanes g
+// and g ^ 1 (lane ^ 4) swap one value each, so the even-g lane holds dims (d, d + 1) of its row 2 t4 and the odd-g
+// lane dims (d - 1, d) of row 2 t4 + 1; each stores them as one bf16x2 (a warp instruction: 8 rows x 16 bytes).
+// dst: row r of the warp's dims at dst + r * row_stride (elements, 4-byte aligned); rows >= live_rows untouched.
+// Every lane of the warp must call it (the shuffles).
+template <int kMTiles, int kRowNTiles>
+__device__ __forceinline__ void store_partial_pairs(const float (&o)[kMTiles][kRowNTiles][4], const float* lsum,
+                                                    int live_rows, __nv_bfloat16* dst, int64_t row_stride, int lane) {
+  const int g = lane / 4, t4 = lane % 4;
+  const bool odd = (g & 1) != 0;
+#pragma unroll
+  for (int nt = 0; nt < kRowNTiles; ++nt) {
+    const int r0 = nt * 8 + 2 * t4;  // rows r0 (e 0) and r0 + 1 (e 1) of this lane's fragments
+    const float l0 = lsum[r0], l1 = lsum[r0 + 1];  // lsum has 8 kRowNTiles rows
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r = odd ? r0 + 1 : r0;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // dims 16 mt + g (h 0) and 16 mt + g + 8 (h 1)
+        const float v0 = o[mt][nt][2 * h] * inv0, v1 = o[mt][nt][2 * h + 1] * inv1;
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const int d = mt * 16 + h * 8 + (g & ~1);
+        if (r < live_rows) {
+          *reinterpret_cast<uint32_t*>(dst + r * row_stride + d) = odd ? ptx::pack_bf16x2(other, v1)
+                                                                       : ptx::pack_bf16x2(v0, other);
+        }
+      }
   }
 }
 
