@@ -297,7 +297,7 @@ def merge_kernels(tmp_path_factory):
     def build(uri):
         v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
         mod = f"{v.build_key}_merge1"
-        src = "#define MLAGEN_DST_MERGE 1\n#define MLAGEN_DST_PARTIAL 1\n" + render_variant(v, mod)  # merge reads fp32
+        src = "#define MLAGEN_DST_MERGE 1\n#define MLAGEN_DST_PARTIAL_BF16 0\n" + render_variant(v, mod)  # merge reads fp32
         return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
 
     with ThreadPoolExecutor(max_workers=len(MERGE_URIS)) as pool:

@@ -79,7 +79,7 @@ struct CombineShape {
 
 // Grid (kRowsMax * kChunks, bs), kCombineThreads threads. Block x = row * kChunks + chunk, so the CTAs of one
 // row read adjacent columns of the same partial rows. PartialT: the element type of o_part (float, or
-// __nv_bfloat16 for dimsplit_t builds with MLAGEN_DST_PARTIAL 2; mla_verify_partial_store.cuh).
+// __nv_bfloat16 for shipped dimsplit_t builds: MLAGEN_DST_PARTIAL_BF16, mla_verify_partial_store.cuh).
 template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks, typename PartialT = float>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const MlaVerifyParams p) {
   using Shape = CombineShape<kDimV, kChunks>;

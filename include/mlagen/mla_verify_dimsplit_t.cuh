@@ -22,8 +22,8 @@
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
-//   epilogue       the output warps write their rows of the normalized O^T to o_part: fp32 from registers, or
-//                  (MLAGEN_DST_PARTIAL) staged through the idle ring as fp32 or bf16 rows (mla_verify_partial_store.cuh).
+//   epilogue       the output warps store the normalized O^T from registers to o_part, in bf16
+//                  (mla_verify_partial_store.cuh; MLAGEN_DST_PARTIAL_BF16 0: fp32).
 // Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
 // shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
 // (~106 KB of ldmatrix per 16 tokens per CTA with its Q steps), against ~45 KB here (3 score warps read K,
@@ -249,15 +249,9 @@ struct MlaDimSplitTConfig {
   static constexpr int kSmemBytes =
       kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars + kSmemFp8;
 
-  // The partials (mla_verify_partial_store.cuh, perf-notes v22): their element type, and whether the output warps
-  // stage their rows through the ring (bf16 ring, then the e4m3 ring: contiguous from the start of shared memory,
-  // idle once every consumer warp has left its loop) or store them from registers.
-  static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL >= 2;
+  // The partials' element type (mla_verify_partial_store.cuh, perf-notes v22): bf16 in shipped builds.
+  static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL_BF16 != 0;
   using PartialT = typename PartialElem<kPartialBf16>::type;
-  static constexpr int kPartialStageBytesPerWarp = kPartialStageBytes<PartialT, kRowsPerCta, kDimVWarp>;
-  static constexpr bool kPartialStaged = (MLAGEN_DST_PARTIAL == 1 || MLAGEN_DST_PARTIAL == 2) &&
-                                         kOutWarps * kPartialStageBytesPerWarp <= kSmemKv + kSmemFp8;
-  static constexpr bool kPartialPairs = MLAGEN_DST_PARTIAL == 4;
 
   // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
   static constexpr bool kBulkLoad = false;
@@ -290,8 +284,7 @@ struct MlaDimSplitTConfig {
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
-  static_assert(MLAGEN_DST_PARTIAL >= 0 && MLAGEN_DST_PARTIAL <= 4, "MLAGEN_DST_PARTIAL is 0 to 4");
-  static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL 0 or 1)");
+  static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL_BF16 0)");
 };
 
 // One CTA's partial: o_part / lse_part of its (row block, split, request), in smem_raw (Cfg::kSmemBytes).
@@ -800,31 +793,22 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     using PartialT = typename Cfg::PartialT;
     PartialT* o_base =
         reinterpret_cast<PartialT*>(p.o_part) + ws_row_base * Cfg::kDimV + rank * Cfg::kDimVCta + dim0;
-    if constexpr (Cfg::kPartialStaged) {
-      // Past the barrier every score and output warp has left its loop, and each copy into either ring was waited
-      // for by a consumer: the rings are idle (the peer CTA writes only the exchange buffers).
-      PartialT* stage = reinterpret_cast<PartialT*>(smem_raw + ow * Cfg::kPartialStageBytesPerWarp);
-      store_partial_staged(o, lsum_smem, live_rows, stage, o_base, Cfg::kDimV, lane);
-    } else if constexpr (Cfg::kPartialPairs) {
-      store_partial_pairs(o, lsum_smem, live_rows, o_base, Cfg::kDimV, lane);
-    } else {
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
+    for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int rl = nt * 8 + 2 * t4 + e;
-          if (rl < live_rows) {
-            const float l = lsum_smem[rl];
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
-            PartialT* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
+      for (int e = 0; e < 2; ++e) {
+        const int rl = nt * 8 + 2 * t4 + e;
+        if (rl < live_rows) {
+          const float l = lsum_smem[rl];
+          const float inv_l = l > 0.f ? 1.f / l : 0.f;
+          PartialT* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
 #pragma unroll
-            for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
-              store_partial1(o_row + mt * 16 + g, o[mt][nt][e] * inv_l);
-              store_partial1(o_row + mt * 16 + g + 8, o[mt][nt][2 + e] * inv_l);
-            }
+          for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
+            store_partial1(o_row + mt * 16 + g, o[mt][nt][e] * inv_l);
+            store_partial1(o_row + mt * 16 + g + 8, o[mt][nt][2 + e] * inv_l);
           }
         }
-    }
+      }
   }
   __syncwarp();
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory

@@ -4,8 +4,8 @@
 //   lse = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - lse) * o_s   (as mla_verify_combine.cuh, same live splits)
 // It removes the combine's launch; on an H200 it measured 1.1-11 % slower than the combine kernel (docs/perf-notes.md
 // v21: after the grid-wide wait the merge reads the 6-9 MB of partials at about half the combine kernel's rate), so
-// only diagnostic builds (MLAGEN_DST_MERGE 1) contain it. It reads fp32 partials: such builds set MLAGEN_DST_PARTIAL
-// to 0 or 1 (mla_verify_partial_store.cuh; the dimsplit_t config asserts it).
+// only diagnostic builds (MLAGEN_DST_MERGE 1) contain it. It reads fp32 partials: such builds set
+// MLAGEN_DST_PARTIAL_BF16 0 (mla_verify_partial_store.cuh; the dimsplit_t config asserts it).
 //
 //   item    128 output dims (32 lanes x float4) of one (request, row): items = bs x q_len*H x kDimV / 128.
 //   share   CTA c of the grid's n takes items c, c + n, c + 2n, ... (a round-robin over the linear block index);
