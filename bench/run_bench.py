@@ -348,9 +348,12 @@ def _measure_fp8(p: dict, ks: list[VerifyKernel], bf16_times: dict, ceil: dict, 
 
 
 def _ncu_path() -> str | None:
-    """Nsight Compute's command line: $NCU, else ``ncu`` on PATH, else the CUDA toolkit's; None if none runs."""
-    for c in (os.environ.get("NCU"), shutil.which("ncu"), "/usr/local/cuda/bin/ncu"):
-        if c and os.access(c, os.X_OK):
+    """Nsight Compute's command line: $NCU, else the toolkit's under $CUDA_HOME / $CUDA_PATH (where mlagen finds
+    nvcc: mlagen/ninja_gen.py), else ``ncu`` on PATH, else /usr/local/cuda/bin/ncu; None if none runs."""
+    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
+    for c in (os.environ.get("NCU"), *(os.path.join(h, "bin", "ncu") for h in homes if h), shutil.which("ncu"),
+              "/usr/local/cuda/bin/ncu"):
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     return None
 
@@ -435,7 +438,7 @@ def main(argv=None) -> int:
     if a.l2_bytes != "off" and smem_cap is not None:
         print("L2 -> SM column skipped: --smem-per-sm (its ncu child would run at the native occupancy)")
     elif a.l2_bytes != "off" and ncu is None:
-        print("L2 -> SM column skipped: ncu not found (PATH, $NCU, /usr/local/cuda/bin)")
+        print("L2 -> SM column skipped: ncu not found ($NCU, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin)")
     rows, sweep = [], []
     for i in ids:
         row, sw = _measure_shape(grid[i], kernels, ceil, ok_sgl, fi_cols, fi_smem)

@@ -547,3 +547,33 @@ def test_run_bench_reads_the_l2_json_line(capsys):
     assert "L2->SM 5.70 B per KV B (DRAM 1.02)" in run_bench._fmt(r)
     run_bench._table([r], [], None)
     assert "L2 -> SM at H=8 q=9 bs=1 ctx=65536 ps=1" in capsys.readouterr().out
+
+
+def test_run_bench_finds_ncu_as_mlagen_finds_nvcc(tmp_path, monkeypatch):
+    """$NCU first (when executable), then $CUDA_HOME/bin, $CUDA_PATH/bin, PATH; a non-executable or missing
+    candidate is passed over, never returned."""
+    import run_bench
+
+    def tool(d):
+        p = tmp_path / d / "bin" / "ncu"
+        p.parent.mkdir(parents=True)
+        p.write_text("#!/bin/sh\n")
+        p.chmod(0o755)
+        return str(p)
+
+    home, path_ncu = tool("cuda_home"), tool("on_path")
+    noexec = tmp_path / "noexec"
+    noexec.write_text("")
+    monkeypatch.setattr(run_bench.shutil, "which", lambda name: path_ncu if name == "ncu" else None)
+    monkeypatch.setenv("NCU", str(noexec))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda_home"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    assert run_bench._ncu_path() == home  # $NCU not executable: passed over
+    monkeypatch.setenv("NCU", path_ncu)
+    assert run_bench._ncu_path() == path_ncu
+    monkeypatch.delenv("NCU")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "missing"))
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "cuda_home"))
+    assert run_bench._ncu_path() == home
+    monkeypatch.delenv("CUDA_PATH")
+    assert run_bench._ncu_path() == path_ncu

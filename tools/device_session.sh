@@ -15,9 +15,11 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst: [DST_URI=..] dimsplit_t GPU tests + memcheck + racecheck in parallel ≈ 7 min; then, a second call,
-#   dst_bench: [KERNELS=globs DST_URI=..] memcheck beside the bench's compile, the small-grid bench with FlashInfer's
-#         columns, the same at sm_120 occupancy, L2 -> SM bytes, backend_step if .whl is carried (.whl_fi) ≈ 6 min.
+#   dst: [DST_URI=..] dimsplit_t GPU tests (bf16, e4m3, fused merge, direct, draft rows) + memcheck + racecheck in
+#         parallel ≈ 6.5 min; then, a second call,
+#   dst_bench: [KERNELS=globs K64=glob] the small-grid bench with FlashInfer's and the L2 -> SM columns, the same at
+#         sm_120 occupancy, the page-size-64 rows H8 bs1 64k and H64 bs4 16k, backend_step if .whl is carried
+#         (.whl_fi) ≈ 4.5 min.
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
@@ -99,39 +101,52 @@ elif [ "$MODE" = release2 ]; then
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
   (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
 elif [ "$MODE" = dst ]; then
-  # the dimsplit_t release checks on one GPU, first of two calls (each fits the 10-minute call limit): its GPU
-  # tests (full case set, equality with rowblock, other row counts; draft-row store / read), memcheck and
-  # racecheck of DST_URI, all in parallel (~7 min); the bench is `dst_bench`
+  # the dimsplit_t release checks on one GPU, first of two calls (each fits the 10-minute call limit), all in
+  # parallel (~6.5 min on an H200): its GPU tests (bf16: full case set, equality with rowblock, other row counts;
+  # e4m3: full case set, equality with bf16 on the dequantized cache, other row counts; the fused-merge diagnostic
+  # builds and the shipped builds' combine path; direct batches and draft rows), memcheck and racecheck of
+  # DST_URI; the bench is `dst_bench`
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  step pytest_dst 420 python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py \
+  T="python3 -m pytest -m gpu -q -rs"
+  step pytest_dst 500 $T tests/test_kernel_gpu.py \
     -k "dimsplit_t_full or (equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
-  step pytest_dst_newkv 420 python3 -m pytest -m gpu -q -rs tests/test_new_kv_gpu.py -k rows_read &
-  step memcheck_dst 420 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
-  step racecheck_dst 420 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step pytest_dst_fp8 500 $T tests/test_kernel_gpu.py \
+    -k "dimsplit_t_fp8_full or (equals_bf16 and k2_dst_fp8) or (other_shapes and dst_fp8_rows)" &
+  step pytest_merge 500 $T tests/test_kernel_gpu.py -k "fused_merge or shipped_dimsplit_t" &
+  step pytest_direct_newkv 500 $T tests/test_direct_gpu.py tests/test_new_kv_gpu.py &
+  step memcheck_dst 400 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  step racecheck_dst 500 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
   wait
-  grep -hE "passed|failed|Error|assert" "$OUT/pytest_dst.log" "$OUT/pytest_dst_newkv.log" | tail -6
+  for f in pytest_dst pytest_dst_fp8 pytest_merge pytest_direct_newkv; do
+    echo "$f: $(grep -hE "passed|failed|Error|assert" "$OUT/$f.log" | tail -1)"
+  done
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log"
 elif [ "$MODE" = dst_bench ]; then
-  # the second call (carry .whl_fi; with .whl too, backend_step runs): memcheck of DST_URI beside the bench's
-  # compile, the small-grid bench with FlashInfer's columns (KERNELS), the same tiles at sm_120 occupancy
-  # (mlagen only), L2 -> SM bytes of DST_URI at 64k (ncu), then bench/backend_step.py when SGLang imports (~6 min)
-  DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  # the second call (carry .whl_fi; with .whl too, backend_step runs): the small-grid bench at page size 1 with
+  # FlashInfer's columns and the L2 -> SM column (KERNELS), the same tiles at sm_120 occupancy (mlagen only), the
+  # issue's two page-size-64 rows (H8 bs1 64k, H64 bs4 16k) with FlashInfer's columns, then bench/backend_step.py
+  # when SGLang imports (~4.5 min without it on an H200)
   KERNELS=${KERNELS:-$RELEASE_KERNELS}
-  step memcheck_dst 230 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  K64=${K64:-*_lw128_bn32_w8_rt3_st4_dimsplit_t_*}
+  P8="--grid small --heads 8 --batches 1 --contexts 65536 --page-sizes 64"
+  P64="--grid full --heads 64 --batches 4 --contexts 16384 --page-sizes 64"
+  step bench_build_ps64 230 sh -c "python3 bench/run_bench.py $P8 --build-only --kernels '$K64' &&
+    python3 bench/run_bench.py $P64 --build-only --kernels '$K64'" &
   step bench_build 230 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
-  step bench_native "${BENCH_LIMIT:-200}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
+  step bench_native "${BENCH_LIMIT:-260}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --kernels "$KERNELS" --out "$OUT/native"
   step bench_sm120 "${BENCH_LIMIT:-200}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --no-flashinfer --smem-per-sm sm120 --kernels "$KERNELS" --out "$OUT/sm120"
-  step l2_bytes 120 python3 tools/l2_bytes.py "$DST_URI"
+  step bench_ps64_h8 120 python3 bench/run_bench.py $P8 --skip-sglang --l2-bytes off --kernels "$K64" --out "$OUT/ps64_h8"
+  step bench_ps64_h64 120 python3 bench/run_bench.py $P64 --skip-sglang --l2-bytes off --kernels "$K64" --out "$OUT/ps64_h64"
   if python3 -c "import sglang" > /dev/null 2>&1; then
     step backend_step "${STEP_LIMIT:-100}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 --layers 61
   fi
-  rm -f "$OUT"/native/*.png "$OUT"/sm120/*.png
-  grep -hE "ERROR SUMMARY" "$OUT/memcheck_dst.log"
+  rm -f "$OUT"/*/*.png
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log" | tail -30
-  tail -4 "$OUT/l2_bytes.log"
+  grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
+  grep -hE "^L2 -> SM" "$OUT/bench_native.log"
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +
