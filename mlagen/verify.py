@@ -15,13 +15,15 @@ from mlagen.reference import mla_verify_reference, split_kv_scale
 
 # bf16 output (8 significant bits: round-to-nearest moves a value by at most 2^-8 of it) of fp32-accumulated
 # attention; P is rounded to bf16 before P V. Each output element may differ from the fp32 reference by
-# out_atol + out_rtol_mag x (P |V|) for that element: rounding P moves it by at most 2^-8 x P |V| and
-# rounding the output by 2^-8 x |out| <= 2^-8 x P |V|, so 2^-7 is the worst case of the two roundings
-# (they rarely align); fp32 accumulation adds ~1e-6 relative, which out_atol covers. With N(0, 1) values
+# out_atol + out_rtol_mag x (P |V|) for that element: rounding P moves it by at most 2^-8 x P |V|, rounding
+# dimsplit_t's bf16 split partials (include/mlagen/mla_verify_partial_store.cuh; other schedules keep fp32) by
+# at most 2^-8 x P |V| after the combine's weighting, and rounding the output by 2^-8 x |out| <= 2^-8 x P |V|,
+# so 3 x 2^-8 is the worst case of the three roundings (they rarely align); fp32 accumulation adds ~1e-6
+# relative, which out_atol covers. With N(0, 1) values
 # P |V| is about 1 and out_atol dominates; with fp8 rows at +-448 (outputs in the hundreds, a bf16 ulp of
 # 2) the magnitude term does.
 # fp8_e4m3 KV: every e4m3 value is exact in bf16 and q / accumulation are not quantized, so the same bounds.
-TOLERANCE = {"bf16": dict(out_atol=2e-2, out_rtol_mag=2.0 ** -7, out_rel_l2=1e-2, lse_atol=2e-3, lse_rtol=1e-3)}
+TOLERANCE = {"bf16": dict(out_atol=2e-2, out_rtol_mag=3 * 2.0 ** -8, out_rel_l2=1e-2, lse_atol=2e-3, lse_rtol=1e-3)}
 TOLERANCE["fp8_e4m3"] = TOLERANCE["bf16"]
 
 

@@ -13,7 +13,9 @@ Several --define options are zipped: build i gets the i-th value of each (all mu
         [--build-only]
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PRODUCER=1,0,1,0 --define MLAGEN_DST_TREE_ROWS=1,1,0,0
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_MERGE=0,1,1 --define AB_TAG=0,0,1 --fused-merge 1,0,1 \
-        --atol 0.0625    # the merge code built but unused, and used (its fp32 sums run in another order)
+        --define MLAGEN_DST_PARTIAL_BF16=0,0,0 --atol 0.0625
+        # the merge code built but unused, and used (its fp32 sums run in another order; the merge reads fp32 partials)
+    python3 tools/device_ab_define.py URI --define MLAGEN_DST_PARTIAL_BF16=0,1 --atol 0.0625  # fp32 vs bf16 partials
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
 table: shape, µs per build (median of --rounds CUDA-graph medians), and each build's ratio to the first.

@@ -71,7 +71,7 @@ template <int kDimV, int kChunks>
 struct CombineShape {
   static constexpr int kLanes = kDimV / 4 / kChunks;
   static constexpr int kGroups = kCombineThreads / kLanes;
-  static constexpr int kUnroll = 8;  // independent 16-byte loads in flight per thread
+  static constexpr int kUnroll = 8;  // independent loads in flight per thread (16 bytes of fp32 partials, 8 of bf16)
   static_assert(kDimV % (4 * kChunks) == 0, "the dim chunks must cover kv_lora_rank in float4 columns");
   static_assert(kLanes >= 1 && kCombineThreads % kLanes == 0, "a chunk's columns must divide the CTA's threads");
   static_assert(kGroups * kUnroll <= kMaxSplits, "one pass of the split loop reads at most kMaxSplits partials");

@@ -3,9 +3,10 @@
 //
 // o_part holds each split's normalized output rows [bs, num_splits, rows_max, kv_lora_rank]; lse_part stays fp32.
 // With bf16 partials the rows are rounded once more before the combine: each o_s is a convex combination of V rows,
-// so it is finite wherever V is and its rounding error is at most 2^-9 of P_s |V|; the combine's weighted sum keeps
-// that bound (verify.py's out_rtol_mag is 2^-7 of P |V|). FlashInfer's MLA kernel (include/flashinfer/attention/
-// mla.cuh, 0.7.4) also keeps its split partials in the output dtype beside fp32 LSEs.
+// so it is finite wherever V is and its rounding error is at most 2^-8 of P_s |V| (8 significant bits); the
+// combine's weighted sum of those errors is at most 2^-8 of P |V|, a third rounding beside P's and the output's
+// (verify.py's out_rtol_mag, 3 x 2^-8 of P |V|, is the worst case of the three). FlashInfer's MLA kernel
+// (include/flashinfer/attention/mla.cuh, 0.7.4) also keeps its split partials in the output dtype beside fp32 LSEs.
 //
 // The buffer keeps its fp32 size either way (ops.py lays out the workspace without knowing the element type): bf16
 // partials fill the first half of the o_part region, and lse_part stays where it was.
