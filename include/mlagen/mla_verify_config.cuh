@@ -17,6 +17,8 @@ template <int kHeads_, int kQLenMax_, int kKvLoraRank_, int kRopeDim_, int kPage
 struct MlaVerifyConfig {
   static constexpr bool kDimSplit = false;  // schedule rowblock (mla_verify_partial.cuh)
   static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only (mla_verify_launch.cuh)
+  using PartialT = float;                     // o_part's element type (dimsplit_t: mla_verify_partial_store.cuh)
+  static constexpr bool kFusedMerge = false;  // the combine folded in: dimsplit_t diagnostic builds only
   static constexpr int kClusterCtas = 1;
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank

@@ -52,17 +52,6 @@ inline bool combine_pdl_enabled() {
   return on;
 }
 
-// The element type of o_part that Cfg's partial kernel writes: dimsplit_t configs say (Cfg::PartialT,
-// mla_verify_partial_store.cuh); the other schedules write fp32.
-template <class Cfg, bool = Cfg::kTransposed>
-struct CfgPartial {
-  using type = float;
-};
-template <class Cfg>
-struct CfgPartial<Cfg, true> {
-  using type = typename Cfg::PartialT;
-};
-
 // The combine of a config with kChunks dim chunks per row (mla_verify_combine.cuh). With PDL its CTAs may be
 // scheduled while the partial kernel's last CTAs still run (they wait in ptx::griddep_wait) instead of after the
 // partial kernel has drained; CUDA-graph capture keeps the programmatic edge. PDL is opt-in: a driver that
@@ -70,8 +59,9 @@ struct CfgPartial<Cfg, true> {
 // anyway). Without PDL, griddep_wait returns at once (stream order already holds).
 template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
+  // o_part's element type: every config says (fp32, or bf16 for dimsplit_t: mla_verify_partial_store.cuh)
   auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks,
-                                            typename CfgPartial<Cfg>::type>;
+                                            typename Cfg::PartialT>;
   const dim3 grid(Cfg::kRowsMax * kChunks, p.batch_size);
   if (combine_pdl_enabled()) {
     cudaLaunchConfig_t cfg = {};
@@ -90,16 +80,6 @@ cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Whether Cfg's partial kernel can fold the combine in (dimsplit_t built with MLAGEN_DST_MERGE 1).
-template <class Cfg>
-constexpr bool mla_verify_supports_fused_merge() {
-  if constexpr (Cfg::kTransposed) {
-    return Cfg::kFusedMerge;
-  } else {
-    return false;
-  }
-}
-
 // Clusters of the partial kernel that can be resident on the current device at once (cudaOccupancyMaxActiveClusters),
 // cached per device; refresh = true queries again (after the shared-memory carveout changed). 0 for configs that cannot
 // fold the combine in (no query: shipped builds never touch the occupancy API or the error state here) or when the
@@ -109,7 +89,7 @@ int mla_verify_max_active_clusters(bool refresh = false) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};
   static bool known[kMaxDevices] = {};
-  if (!mla_verify_supports_fused_merge<Cfg>()) return 0;
+  if (!Cfg::kFusedMerge) return 0;  // every config says (dimsplit_t built with MLAGEN_DST_MERGE 1 only)
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     (void)cudaGetLastError();
