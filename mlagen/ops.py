@@ -22,6 +22,9 @@ from mlagen.spec import Variant
 # in combine traffic than they win: on an H200, 64 was 0.4-1.7 µs faster than 128 at 4k bs 1 and level
 # from 16k up, 32 no faster than 64; docs/perf-notes.md v14).
 AUTO_MIN_TOKENS_PER_SPLIT = 64
+# Cluster schedules (dimsplit, dimsplit_t) take at least 96: H200, H8 q9 bs 1 at 4k, 66 splits, dimsplit_t: 96 tokens
+# (43 live splits) 16.6 µs, 64 (64 live) 17.2, 128 (32 live) 17.8 (docs/perf-notes.md v23).
+AUTO_MIN_TOKENS_PER_SPLIT_CLUSTER = 96
 MAX_SPLITS = 256
 SM120_SMEM_PER_SM = 102400  # shared memory per SM on sm_120 (RTX PRO 6000 Blackwell): 100 KB
 CTA_RESERVED_SMEM = 1024  # shared memory the runtime reserves per resident CTA (sm_80 and later)
@@ -30,7 +33,8 @@ AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best w
 # 132 SMs one wave of 128 CTAs costs 3.1 % over a perfect fill in the wave model, but each split also
 # pays a fixed prologue (its Q half) and a partial write + combine read, so two waves of 264 CTAs lose.
 # H200, H8 q9 bs4 dimsplit (one run, docs/perf-notes.md): fixed 16 splits (one wave) ran 1.28 / 1.15 /
-# 1.06 / 1.02x faster than the 33 the 3 % slack picked, at 4k / 16k / 64k / 128k; bs1 is unchanged (63-66).
+# 1.06 / 1.02x faster than the 33 the 3 % slack picked, at 4k / 16k / 64k / 128k. The slack picks the waves; the
+# count then fills them (auto_num_splits' fill_waves: bs 1 takes 66 splits, bs 4 16).
 AUTO_WAVE_SLACK_CLUSTER = 1.05
 # The workspace starts with a 64-byte header: the fused merge's two arrival counters
 # (include/mlagen/mla_verify_merge.cuh), zeroed by alloc_workspace and left at zero by every launch; o_part and
@@ -48,7 +52,8 @@ _TREE_MODES = {"causal": _TREE_CAUSAL, "qlen_only": _TREE_QLEN, "full_mask": _TR
 
 
 @functools.lru_cache(maxsize=1024)  # called on every launch of an auto variant: compute each (units, slots) once
-def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack: float = AUTO_WAVE_SLACK) -> int:
+def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack: float = AUTO_WAVE_SLACK,
+                    fill_waves: bool = True) -> int:
     """Split count for ``units`` = batch x row blocks independent CTA groups on ``slots`` CTA slots.
 
     Model: every CTA of a request does 1/s of its KV, CTAs run in ceil(units*s/slots) waves, so the
@@ -59,6 +64,11 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack:
     num_splits heuristic; mlagen's own form. Checked against the H200 grid in docs/perf-notes.md
     (e.g. H=64 bs=4: one wave of 72 CTAs on 132 slots vs 16 splits, model 1.78x, measured 1.64-1.81x).
 
+    With ``fill_waves`` (the default) the count then grows to the most splits that run in as many waves
+    (floor(waves x slots / units), at most max_splits): the same waves, each CTA's share of the KV smaller.
+    H200, H8 q9 bs 1 dimsplit_t: 66 splits instead of 63 (132 of 132 SMs), 2.1-2.8 % faster from 32k to 128k
+    (a split of 128k held 66 tiles of 32 tokens, now 63); docs/perf-notes.md v23.
+
     Raises:
         ValueError: units, slots or max_splits < 1, or slack < 1 (or NaN).
     """
@@ -67,7 +77,10 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack:
                          f"{slots}, {max_splits}, {slack}")
     costs = [-(-units * s // slots) / s for s in range(1, max_splits + 1)]
     best = min(costs)
-    return next(s for s, c in enumerate(costs, start=1) if c <= best * slack)
+    s = next(s for s, c in enumerate(costs, start=1) if c <= best * slack)
+    if fill_waves:
+        s = min(max_splits, -(-units * s // slots) * slots // units)
+    return s
 
 
 _PREFIX_MAX: dict[tuple[int, int, float], list[int]] = {}
@@ -156,9 +169,8 @@ class VerifyKernel:
 
         Fixed variants return their nsplit. ``auto``: :func:`auto_num_splits` of bs * row_blocks *
         ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on occupancy * SMs slots (whole waves,
-        slack :attr:`auto_slack`), in [1, 256]; each request then spreads its
-        tiles over those splits on the device (at least AUTO_MIN_TOKENS_PER_SPLIT tokens per
-        non-empty split).
+        slack :attr:`auto_slack`, the waves filled), in [1, 256]; each request then spreads its tiles over
+        those splits on the device (at least :meth:`min_tiles_per_split` tiles per non-empty split).
         """
         v = self.variant
         if v.nsplit != "auto":
@@ -206,9 +218,12 @@ class VerifyKernel:
         self._sm.clear()
 
     def min_tiles_per_split(self) -> int:
+        """Least KV tiles of a non-empty split: 1 for fixed nsplit; auto: AUTO_MIN_TOKENS_PER_SPLIT tokens
+        (AUTO_MIN_TOKENS_PER_SPLIT_CLUSTER for cluster schedules) in tiles of block_n, at least 1."""
         if self.variant.nsplit != "auto":
             return 1
-        return max(1, AUTO_MIN_TOKENS_PER_SPLIT // self.variant.block_n)
+        tokens = AUTO_MIN_TOKENS_PER_SPLIT_CLUSTER if self.variant.ctas_per_row_block > 1 else AUTO_MIN_TOKENS_PER_SPLIT
+        return max(1, tokens // self.variant.block_n)
 
     def workspace_numel(self, batch_size: int, device: torch.device | None = None) -> int:
         """fp32 elements of split workspace needed for every batch size up to ``batch_size``: a 16-float
