@@ -15,7 +15,7 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst: [DST_URI=..] dimsplit_t GPU tests (bf16, e4m3, fused merge, direct, draft rows) + memcheck + racecheck in
+#   dst: [DST_URI=.. DST_FP8_URI=..] dimsplit_t GPU tests (bf16, e4m3, fused merge, direct, draft rows) + memcheck + racecheck in
 #         parallel ≈ 6.5 min; then, a second call,
 #   dst_bench: [KERNELS=globs K64=glob] the small-grid bench with FlashInfer's and the L2 -> SM columns, the same at
 #         sm_120 occupancy, the page-size-64 rows H8 bs1 64k and H64 bs4 16k, backend_step if .whl is carried
@@ -105,7 +105,7 @@ elif [ "$MODE" = dst ]; then
   # parallel (~6.5 min on an H200): its GPU tests (bf16: full case set, equality with rowblock, other row counts;
   # e4m3: full case set, equality with bf16 on the dequantized cache, other row counts; the fused-merge diagnostic
   # builds and the shipped builds' combine path; direct batches and draft rows), memcheck and racecheck of
-  # DST_URI; the bench is `dst_bench`
+  # DST_URI, racecheck of DST_FP8_URI when set (an e4m3 dimsplit_t uri); the bench is `dst_bench`
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   T="python3 -m pytest -m gpu -q -rs"
   step pytest_dst 500 $T tests/test_kernel_gpu.py \
@@ -116,11 +116,15 @@ elif [ "$MODE" = dst ]; then
   step pytest_direct_newkv 500 $T tests/test_direct_gpu.py tests/test_new_kv_gpu.py &
   step memcheck_dst 400 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
   step racecheck_dst 500 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_URI" 0 0 quick &
+  if [ -n "${DST_FP8_URI:-}" ]; then  # the e4m3 build's racecheck too (its conversion writes the bf16 stages)
+    step racecheck_dst_fp8 500 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_FP8_URI" 0 0 quick &
+  fi
   wait
   for f in pytest_dst pytest_dst_fp8 pytest_merge pytest_direct_newkv; do
     echo "$f: $(grep -hE "passed|failed|Error|assert" "$OUT/$f.log" | tail -1)"
   done
-  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log"
+  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log" \
+    ${DST_FP8_URI:+"$OUT/racecheck_dst_fp8.log"}
 elif [ "$MODE" = dst_bench ]; then
   # the second call (carry .whl_fi; with .whl too, backend_step runs): the small-grid bench at page size 1 with
   # FlashInfer's columns and the L2 -> SM column (KERNELS), the same tiles at sm_120 occupancy (mlagen only), the

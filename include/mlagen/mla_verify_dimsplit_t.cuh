@@ -87,13 +87,6 @@
 #define MLAGEN_DST_FP8_CONVERT 0
 #endif
 
-// MLAGEN_DST_EMPTY_LANES 0 (every shipped build): a consumer warp releases a stage by __syncwarp and one arrival
-// of lane 0 (empty barrier count: consumer warps); 1: every lane arrives itself (count: consumer warps x 32), so the
-// release needs no warp convergence step (perf-notes v23).
-#ifndef MLAGEN_DST_EMPTY_LANES
-#define MLAGEN_DST_EMPTY_LANES 0
-#endif
-
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -191,9 +184,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kRowNTiles = kRowsPerCta / 8;
   static constexpr int kOutWarps = 4;
   static constexpr int kFirstOutWarp = kScoreWarps;
-  static constexpr int kConsumerWarps = kScoreWarps + kOutWarps;
-  static constexpr bool kEmptyLanes = MLAGEN_DST_EMPTY_LANES != 0;
-  static constexpr int kEmptyArrivals = kConsumerWarps * (kEmptyLanes ? 32 : 1);  // arrivals on empty[stage]
+  static constexpr int kConsumerWarps = kScoreWarps + kOutWarps;  // arrivals on empty[stage]
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kProducerWarps = 1;
   static constexpr int kTokensPerProducer = kBlockN;
@@ -345,7 +336,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     for (int st = 0; st < Cfg::kConsStages; ++st) {
       // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
       ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : 32);
-      ptx::mbarrier_init(empty_bar + st, Cfg::kEmptyArrivals);
+      ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kKvFp8) {
       for (int st = 0; st < Cfg::kStages; ++st) {
@@ -375,12 +366,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   auto wait_full = [&](int j) { wait_sub_tile_full<Cfg>(full_bar, j); };
   auto release_stage = [&](int j) {  // this warp is done reading the stage of sub-tile j (after its last one)
     if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {
-      if constexpr (Cfg::kEmptyLanes) {  // each lane releases its own reads
-        ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
-      } else {
-        __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
-      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
     }
   };
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
