@@ -66,7 +66,7 @@ def auto_num_splits(units: int, slots: int, max_splits: int = MAX_SPLITS, slack:
 
     With ``fill_waves`` (the default) the count then grows to the most splits that run in as many waves
     (floor(waves x slots / units), at most max_splits): the same waves, each CTA's share of the KV smaller.
-    H200, H8 q9 bs 1 dimsplit_t: 66 splits instead of 63 (132 of 132 SMs), 2.1-2.8 % faster from 32k to 128k
+    H200, H8 q9 bs 1 dimsplit_t: 66 splits instead of 63 (132 of 132 SMs), 1.4-2.8 % faster from 32k to 128k
     (a split of 128k held 66 tiles of 32 tokens, now 63); docs/perf-notes.md v23.
 
     Raises:

@@ -132,7 +132,7 @@ def test_cluster_schedule_takes_one_full_wave_over_two():
     there and keeps bs 1 at about one wave of 2-CTA splits; rowblock variants keep the 3 % slack."""
     assert auto_num_splits(4 * 2, 132) == 33
     assert auto_num_splits(4 * 2, 132, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER) == 16
-    # bs 1: the slack's 63 splits fill to 66 (132 CTAs on 132 SMs); H200 dimsplit_t 2.1-2.8 % faster at 32k-128k
+    # bs 1: the slack's 63 splits fill to 66 (132 CTAs on 132 SMs); H200 dimsplit_t 1.4-2.8 % faster at 32k-128k
     assert auto_num_splits(1 * 2, 132, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER, fill_waves=False) == 63
     assert auto_num_splits(1 * 2, 132, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER) == 66
     assert auto_num_splits(1 * 2, 188, slack=ops_mod.AUTO_WAVE_SLACK_CLUSTER) == 94  # RTX PRO 6000: 188 SMs
