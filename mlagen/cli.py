@@ -20,7 +20,9 @@ from rich.table import Table
 from mlagen import __version__, feasibility, owned, paths
 from mlagen.spec import MAX_VARIANTS, Spec, SpecError, filter_by_glob, load_spec, short_repr, uri_globs
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+# Piped output: tables 240 columns wide, and a printed line is never broken (a module path and its variants stay
+# on one line for grep and scripts).
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 240, soft_wrap=not sys.stdout.isatty())
 
 
 def _spec(path: str, max_variants: int | None = None) -> Spec:

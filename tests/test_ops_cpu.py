@@ -109,7 +109,7 @@ def test_workspace_sizing_and_split_policy():
 
 
 @pytest.mark.parametrize("units, slots", [(1, 132), (3, 132), (5, 264), (20, 264), (72, 132), (80, 132),
-                                          (288, 132), (1000, 188), (7, 188)])
+                                          (288, 132), (1000, 188), (7, 188), (1, 264), (1, 376), (2, 600)])
 def test_auto_num_splits_fills_whole_waves(units, slots):
     """The waves are those of the smallest count within the slack of the best wave cost over every legal
     count, and the count is the largest that runs in that many waves (brute force over 1..256, so the test

@@ -4,8 +4,9 @@ rounds (the median of the rounds is printed), outputs first compared with the fi
 move, so sums run in another order: --atol).
 
 A policy is ``auto`` (the variant's own split count and least tokens per split), ``waves`` (auto_num_splits
-without fill_waves: the smallest count within the slack, as before perf-notes v23), or a fixed split count;
-``:mtN`` sets the least tokens per non-empty split (default: the variant's own).
+without fill_waves: the smallest count within the slack), or a fixed split count; ``:mtN`` sets the least tokens
+per non-empty split (default: the variant's own). The policy before perf-notes v23 is ``waves:mt64``. e4m3 variants
+are timed on an e4m3 cache (N(0, 1) rows cast on the device, as mlagen.bench does).
 
     python3 tools/device_split_ab.py URI --policies waves:mt64,auto,auto:mt64,auto:mt128 --cases 1x4096,1x131072
 
@@ -15,6 +16,7 @@ URI (a uri or a glob) must match one auto variant in the registry ($MLAGEN_CACHE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -49,8 +51,10 @@ class PolicyKernel(ops.VerifyKernel):
         if self._kind == "auto":
             return n
         v = self.variant
-        return ops.auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block,
-                                   self._sm[torch.cuda.current_device()], slack=self.auto_slack, fill_waves=False)
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()  # as VerifyKernel.num_splits keys it
+        return ops.auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx],
+                                   slack=self.auto_slack, fill_waves=False)
 
     def min_tiles_per_split(self):
         if self._min_tokens is None:
@@ -95,10 +99,13 @@ def main() -> int:
     print(f"{v.uri} on {torch.cuda.get_device_name()}, {a.rounds} rounds")
     rows = []
     for bs, ctx in cases:
-        per = verify_bytes(v.heads, v.q_len, bs, ctx, v.dim_qk, v.dim_v, kv_bytes=2)
+        fp8 = v.dtype == "fp8_e4m3"
+        per = verify_bytes(v.heads, v.q_len, bs, ctx, v.dim_qk, v.dim_v, kv_bytes=1 if fp8 else 2)
         n_rot = max(2, min(64, -(-L2_ROTATE_BYTES // per)))
         probs = [make_problem(v, [ctx] * bs, q_len=v.q_len, device="cuda", seed=r, poison_pool=False, name="split")
                  for r in range(n_rot)]
+        if fp8:  # N(0, 1) rows cast to e4m3 on the device, as mlagen.bench times e4m3 variants
+            probs = [dataclasses.replace(p, kv_cache=p.kv_cache.to(torch.float8_e4m3fn)) for p in probs]
         launches, outs = [], []
         for k in kernels:
             ls, os_ = [], []
