@@ -460,6 +460,10 @@ def list_(kernels: str | None, fmt: str) -> None:
         best = reg.best_time(r["uri"])
         rows.append((r["uri"], per_arch, vs, "-" if best is None else f"{best:.1f}"))
     head = ("variant", "archs: regs / smem B / spill B", "verify", "best µs")
+    if not rows and fmt != "tsv":
+        what = f"matching {short_repr(kernels)}" if kernels else "built"
+        console.print(f"0 variants {what} in {reg.path}; `mlagen build SPEC` builds and registers them")
+        return
     if fmt == "tsv":
         for row in [head, *rows]:
             click.echo("\t".join(row))
@@ -554,14 +558,22 @@ def clean(all_: bool, yes: bool) -> None:
         console.print("nothing to remove (no files mlagen recorded under " + " or ".join(map(str, roots)) + ")")
         return
     if not yes:
-        click.confirm("This deletes:\n" + "".join(f"  - {l}\n" for l in lines) + "Delete?", abort=True)
+        try:
+            ok = click.confirm("This deletes:\n" + "".join(f"  - {l}\n" for l in lines) + "Delete?")
+        except click.Abort:  # end of input (no terminal): say how to proceed instead of click's bare "Aborted!"
+            raise click.ClickException("nothing deleted: no answer on stdin; pass --yes to delete without asking")
+        if not ok:
+            console.print("nothing deleted")
+            sys.exit(1)
+    planned_dirs = {p for p in planned if p.is_dir()}
     removed = owned.remove(planned)
-    files = [p for p in removed if p.name != owned.MANIFEST]
+    files = [p for p in removed if p.name != owned.MANIFEST and p not in planned_dirs]
+    dirs = [p for p in removed if p in planned_dirs]
     for l in lines:
         console.print(f"removed {l}", soft_wrap=True, markup=False)
     kept = [p for p in planned if p.exists()]
-    console.print(f"removed {len(files)} item(s)" + (f"; kept {len(kept)} director(ies) holding files mlagen did not write"
-                                                     if kept else ""))
+    console.print(f"removed {len(files)} file(s) and {len(dirs)} director(ies) in all"
+                  + (f"; kept {len(kept)} director(ies) holding files mlagen did not write" if kept else ""))
 
 
 def _server_arch(arch: str | None) -> str:

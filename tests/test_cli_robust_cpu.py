@@ -155,8 +155,14 @@ def test_clean_all_prompt_lists_what_goes(fake_cuda, tmp_path):
                  f"the installed state {installed} (un-installs SGLang's `mlagen` backend)"):
         assert what in r.output, (what, r.output)
     assert installed.exists() and (tmp_path / "cache" / "registry.sqlite").exists()  # answered no
+    r = runner.invoke(main, ["clean", "--all"], input="")  # no terminal, no answer: a hint, not click's "Aborted!"
+    assert r.exit_code == 1 and "nothing deleted: no answer on stdin; pass --yes" in r.output, r.output
+    assert installed.exists()
     r = runner.invoke(main, ["clean", "--all"], input="y\n")
     assert r.exit_code == 0 and not installed.exists()
+    assert re.search(r"removed \d+ file\(s\) and \d+ director\(ies\) in all", r.output), r.output
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0 and "0 variants built in" in r.output and "mlagen build SPEC" in r.output
 
 
 # ---- item 3: interrupts stop ninja and nvcc, finished modules are registered
