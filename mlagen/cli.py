@@ -561,7 +561,7 @@ def clean(all_: bool, yes: bool) -> None:
         try:
             ok = click.confirm("This deletes:\n" + "".join(f"  - {l}\n" for l in lines) + "Delete?")
         except click.Abort:  # end of input (no terminal): say how to proceed instead of click's bare "Aborted!"
-            raise click.ClickException("nothing deleted: no answer on stdin; pass --yes to delete without asking")
+            raise click.ClickException("nothing deleted: no answer on stdin; pass --yes to delete without asking") from None
         if not ok:
             console.print("nothing deleted")
             sys.exit(1)
