@@ -6,6 +6,7 @@ User errors raise click.ClickException: one line, no traceback, exit code 1.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -147,10 +148,19 @@ def _print_infeasible(infeasible) -> None:
         for v, reason in infeasible:
             console.print(f"[yellow]dropped[/] {escape(v.uri)}: {escape(reason)}", soft_wrap=True)
         return
+    # shared-memory reasons differ only in the byte count: one group per limit and arch, the counts as a range
+    smem = re.compile(r"^shared memory (\d+) B > (.*)$")
     groups: dict[str, list] = {}
+    sizes: dict[str, list[int]] = {}
     for v, reason in infeasible:
-        groups.setdefault(reason, []).append(v)
-    for reason, vs in groups.items():
+        m = smem.match(reason)
+        key = f"shared memory {{}} B > {m.group(2)}" if m else reason
+        groups.setdefault(key, []).append(v)
+        if m:
+            sizes.setdefault(key, []).append(int(m.group(1)))
+    for key, vs in groups.items():
+        lo, hi = min(sizes.get(key, [0])), max(sizes.get(key, [0]))
+        reason = key.format(f"{lo}" if lo == hi else f"{lo}-{hi}") if key in sizes else key
         console.print(f"[yellow]dropped[/] {len(vs)} variant(s): {escape(reason)} (e.g. {escape(vs[0].uri)})",
                       soft_wrap=True)
 

@@ -86,6 +86,18 @@ def test_dropped_reasons_grouped_and_printed_literally(runner, tmp_path):
     assert r.output.count("dropped 10 variant(s)") == 1 and r.output.count("\n") <= 3
 
 
+def test_dropped_shared_memory_reasons_grouped_by_limit(runner, tmp_path):
+    """Shared-memory reasons that differ only in the byte count are one line per limit and arch, with the range."""
+    p = tmp_path / "s.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9\nblock_n: [32, 64]\nstages: [3, 4]\nrow_tiles: [1, 2]\n"
+                 "nsplit: [auto, 16, 64]\n")
+    r = runner.invoke(main, ["generate", str(p)])
+    lines = [l for l in r.output.splitlines() if "shared memory" in l]
+    assert len(lines) == 1, r.output
+    m = re.search(r"dropped (\d+) variant\(s\): shared memory (\d+)-(\d+) B > 101376 B per block on sm_120", lines[0])
+    assert m and int(m.group(1)) > 8 and int(m.group(2)) < int(m.group(3)), lines[0]
+
+
 def test_verify_without_gpu_says_so(runner):
     r = runner.invoke(main, ["verify"])
     assert r.exit_code == 1 and "verify needs a GPU" in r.output
