@@ -175,6 +175,12 @@ class VerifyKernel:
         v = self.variant
         if v.nsplit != "auto":
             return int(v.nsplit)
+        return auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self.cta_slots(device),
+                               slack=self.auto_slack)
+
+    def cta_slots(self, device: torch.device | None = None) -> int:
+        """CTAs of the partial kernel resident at once on ``device`` (default: the current one): SMs x CTAs per SM,
+        the latter capped as :meth:`limit_smem_per_sm` emulates; queried once per device, then cached."""
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
@@ -183,8 +189,7 @@ class VerifyKernel:
                 if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
                 self._sm[idx] = _sm_count(dev) * occ
-        return auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx],
-                               slack=self.auto_slack)
+        return self._sm[idx]
 
     def limit_smem_per_sm(self, nbytes: int | None, device: torch.device | None = None) -> None:
         """Run the partial kernel as if an SM had only ``nbytes`` of shared memory (None: the device's own).
@@ -235,12 +240,15 @@ class VerifyKernel:
         v = self.variant
         n = max(1, batch_size)
         if v.nsplit != "auto":
-            return WS_HEADER_FLOATS + n * int(v.nsplit) * v.rows_max * (v.dim_v + 1)
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        self.num_splits(1, dev)  # fills the device's CTA slot count, self._sm[idx]
-        return WS_HEADER_FLOATS + (_max_request_splits(v.row_blocks * v.ctas_per_row_block, self._sm[idx], n,
-                                                       self.auto_slack) * v.rows_max * (v.dim_v + 1))
+            return self.workspace_floats(n * int(v.nsplit))
+        return self.workspace_floats(_max_request_splits(v.row_blocks * v.ctas_per_row_block, self.cta_slots(device),
+                                                         n, self.auto_slack))
+
+    def workspace_floats(self, request_splits: int) -> int:
+        """fp32 elements of a workspace for ``request_splits`` = batch size x splits (request, split) pairs: the
+        16-float header, o_part [request_splits, rows_max, dim_v] and lse_part [request_splits, rows_max]."""
+        v = self.variant
+        return WS_HEADER_FLOATS + request_splits * v.rows_max * (v.dim_v + 1)
 
     def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
         """Allocate the 1-D fp32 workspace for batches up to ``batch_size``: a 64-byte header (the fused merge's
@@ -675,7 +683,7 @@ class VerifyKernel:
 
     def _checked_workspace(self, workspace, bs: int, splits: int, device, others: dict) -> torch.Tensor:
         """The workspace for (bs, splits), allocated when None; checks size, alignment, no overlap with ``others``."""
-        need = WS_HEADER_FLOATS + bs * splits * self.variant.rows_max * (self.variant.dim_v + 1)
+        need = self.workspace_floats(bs * splits)
         if workspace is None:
             workspace = _new_workspace(need, device, self._can_fuse)
         _check(workspace, "workspace", torch.float32, ndim=1)

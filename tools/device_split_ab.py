@@ -47,13 +47,10 @@ class PolicyKernel(ops.VerifyKernel):
     def num_splits(self, batch_size, device=None):
         if self._kind.isdigit():
             return int(self._kind)
-        n = ops.VerifyKernel.num_splits(self, batch_size, device)  # also fills self._sm, the CTA slots
         if self._kind == "auto":
-            return n
+            return ops.VerifyKernel.num_splits(self, batch_size, device)
         v = self.variant
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()  # as VerifyKernel.num_splits keys it
-        return ops.auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self._sm[idx],
+        return ops.auto_num_splits(max(1, batch_size) * v.row_blocks * v.ctas_per_row_block, self.cta_slots(device),
                                    slack=self.auto_slack, fill_waves=False)
 
     def min_tiles_per_split(self):
@@ -62,8 +59,7 @@ class PolicyKernel(ops.VerifyKernel):
         return max(1, self._min_tokens // self.variant.block_n)
 
     def workspace_numel(self, batch_size, device=None):
-        v = self.variant
-        return ops.WS_HEADER_FLOATS + max(1, batch_size) * self.num_splits(batch_size) * v.rows_max * (v.dim_v + 1)
+        return self.workspace_floats(max(1, batch_size) * self.num_splits(batch_size, device))
 
 
 def split_shape(kv_len: int, block_n: int, splits: int, min_tiles: int) -> tuple[int, int]:
