@@ -180,7 +180,13 @@ class VerifyKernel:
 
     def cta_slots(self, device: torch.device | None = None) -> int:
         """CTAs of the partial kernel resident at once on ``device`` (default: the current one): SMs x CTAs per SM,
-        the latter capped as :meth:`limit_smem_per_sm` emulates; queried once per device, then cached."""
+        the latter capped as :meth:`limit_smem_per_sm` emulates; queried once per device, then cached.
+
+        Cluster schedules (dimsplit, dimsplit_t: ``ctas_per_row_block`` 2) are also capped at the module's
+        ``max_active_clusters()`` (cudaOccupancyMaxActiveClusters) x 2: a cluster's CTAs run on SMs of one GPC, so a
+        GPU whose GPCs hold an odd number of SMs fits fewer clusters than SMs / 2, and a split count filled to SMs / 2
+        would run its last clusters in a second wave. On the H200 the query gives 66 (132 SMs, the cap changes nothing);
+        a query that fails (0) leaves the SM count."""
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
@@ -188,7 +194,13 @@ class VerifyKernel:
                 occ = max(1, self.module.max_active_ctas_per_sm())
                 if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
-                self._sm[idx] = _sm_count(dev) * occ
+                slots = _sm_count(dev) * occ
+                per_cluster = self.variant.ctas_per_row_block
+                if per_cluster > 1:
+                    clusters = int(self.module.max_active_clusters())
+                    if clusters > 0:
+                        slots = min(slots, clusters * per_cluster)
+                self._sm[idx] = slots
         return self._sm[idx]
 
     def limit_smem_per_sm(self, nbytes: int | None, device: torch.device | None = None) -> None:

@@ -18,12 +18,16 @@ class RecordingModule:
 
     smem_bytes = 87520  # the K2 bulk bn32 rt1 variant's shared memory
 
-    def __init__(self, occupancy=1):
+    def __init__(self, occupancy=1, clusters=0):
         self.calls = 0
         self.occupancy = occupancy
+        self.clusters = clusters  # cudaOccupancyMaxActiveClusters of a cluster build (0: the query failed)
 
     def max_active_ctas_per_sm(self):
         return self.occupancy
+
+    def max_active_clusters(self):
+        return self.clusters
 
 
 def _kernel(**kw):
@@ -197,6 +201,29 @@ def test_auto_split_uses_the_emulated_occupancy(monkeypatch):
     one = a.num_splits(1, torch.device("cuda", 0))
     assert a._sm[0] == 132  # 102,400 // (87,520 + 1,024) = 1 CTA per SM
     assert one < two
+
+
+@pytest.mark.parametrize("clusters, slots, bs1_splits", [(66, 132, 66), (0, 132, 66), (93, 186, 93), (200, 188, 94)])
+def test_cluster_slots_are_capped_by_resident_clusters(monkeypatch, clusters, slots, bs1_splits):
+    """A GPU whose GPCs hold an odd number of SMs fits fewer 2-CTA clusters than SMs / 2: the split count filled to the
+    SM count would run its last clusters in a second wave. cta_slots takes at most max_active_clusters() x 2 (the H200:
+    66 clusters on 132 SMs, no change; a failed query, 0, keeps the SM count). Rowblock builds never ask."""
+    import contextlib
+
+    import mlagen.ops as ops
+
+    sms = 188 if clusters >= 93 else 132
+    monkeypatch.setattr(ops, "_sm_count", lambda dev: sms)
+    monkeypatch.setattr(torch.cuda, "device", lambda idx: contextlib.nullcontext())
+    dst = _kernel(nsplit="auto", schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=4)
+    dst.module.clusters = clusters
+    dev = torch.device("cuda", 0)
+    assert dst.cta_slots(dev) == slots
+    assert dst.num_splits(1, dev) == bs1_splits
+    assert dst.workspace_numel(1, dev) >= dst.num_splits(1, dev) * dst.variant.rows_max * 513
+    rb = _kernel(nsplit="auto")
+    rb.module.clusters = 1  # would cap a cluster build to 2 slots; a rowblock build ignores it
+    assert rb.cta_slots(dev) == sms
 
 
 def test_load_module_refuses_a_second_file_under_one_name(tmp_path):

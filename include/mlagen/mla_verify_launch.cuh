@@ -81,15 +81,15 @@ cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t str
 }
 
 // Clusters of the partial kernel that can be resident on the current device at once (cudaOccupancyMaxActiveClusters),
-// cached per device; refresh = true queries again (after the shared-memory carveout changed). 0 for configs that cannot
-// fold the combine in (no query: shipped builds never touch the occupancy API or the error state here) or when the
-// query fails.
+// cached per device; refresh = true queries again (after the shared-memory carveout changed). 0 for configs without
+// clusters (rowblock) or when the query fails. The host's split count takes at most this many clusters per wave
+// (mlagen/ops.py VerifyKernel.cta_slots); the launch path queries it only for the fused merge's co-residency check.
 template <class Cfg>
 int mla_verify_max_active_clusters(bool refresh = false) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};
   static bool known[kMaxDevices] = {};
-  if (!Cfg::kFusedMerge) return 0;  // every config says (dimsplit_t built with MLAGEN_DST_MERGE 1 only)
+  if (Cfg::kClusterCtas < 2) return 0;  // every config says (dimsplit, dimsplit_t: 2)
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     (void)cudaGetLastError();
@@ -111,12 +111,12 @@ int mla_verify_max_active_clusters(bool refresh = false) {
   return cached[dev];
 }
 
-// Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): merge
-// counters given, and every cluster of the grid resident at once on this device (the merge waits for all of them;
-// mla_verify_max_active_clusters is 0 for configs without the merge).
+// Whether a launch of num_clusters clusters of Cfg's partial kernel folds the combine in (mla_verify_merge.cuh): a
+// config with the merge (dimsplit_t built with MLAGEN_DST_MERGE 1 only), merge counters given, and every cluster of
+// the grid resident at once on this device (the merge waits for all of them). Shipped configs stop at the first test.
 template <class Cfg>
 bool mla_verify_fused_merge(const MlaVerifyParams& p, long long num_clusters) {
-  return p.merge_counters != nullptr && num_clusters <= mla_verify_max_active_clusters<Cfg>();
+  return Cfg::kFusedMerge && p.merge_counters != nullptr && num_clusters <= mla_verify_max_active_clusters<Cfg>();
 }
 
 template <class Cfg>
