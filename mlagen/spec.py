@@ -1,7 +1,9 @@
 """Spec (YAML) parsing, validation and sweep expansion into :class:`Variant` values.
 
 A spec names the kernel family and its parameters; any parameter may be a list, and the lists
-form a sweep (cartesian product). Validation happens before anything is written: each problem
+form a sweep (cartesian product). A ``sweeps`` list of mappings splits it into several sweeps that share
+the top-level keys as defaults (e.g. one per schedule, each with its own warps and stages); their variants
+are joined, each once. Validation happens before anything is written: each problem
 raises :class:`SpecError` with a one-line message naming the key and the allowed values.
 """
 
@@ -222,21 +224,33 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """A validated spec: its name, the per-key value lists of the sweep, and the arch list."""
+    """A validated spec: its name, the per-key value lists of the sweep, and the arch list.
+
+    ``values`` holds the top-level keys (defaults filled in). ``sweeps`` holds one complete value mapping per
+    entry of the spec's ``sweeps`` list (the top-level values with the entry's keys replacing theirs), or is
+    empty for a spec without one (then ``values`` is its one sweep)."""
 
     name: str
     kernel: str
     values: Mapping[str, tuple]
     archs: tuple[str, ...]
     source: str = "<dict>"
+    sweeps: tuple[Mapping[str, tuple], ...] = ()
+
+    def _sweeps(self) -> tuple[Mapping[str, tuple], ...]:
+        return self.sweeps or (self.values,)
 
     @property
     def n_variants(self) -> int:
-        """How many variants :meth:`variants` yields (product of the value-list lengths), not expanded."""
-        n = 1
-        for k in PARAMS:
-            n *= len(self.values[k])
-        return n
+        """How many variants the sweeps yield before duplicates across sweeps are dropped (the sum of each
+        sweep's product of value-list lengths), not expanded."""
+        total = 0
+        for values in self._sweeps():
+            n = 1
+            for k in PARAMS:
+                n *= len(values[k])
+            total += n
+        return total
 
     def check_size(self, limit: int | None = None) -> None:
         """Refuse a sweep of more than ``limit`` (default :data:`MAX_VARIANTS`) variants.
@@ -247,17 +261,24 @@ class Spec:
         limit = MAX_VARIANTS if limit is None else limit
         n = self.n_variants
         if n > limit:
-            dims = " x ".join(f"{k} {len(self.values[k])}" for k in PARAMS if len(self.values[k]) > 1)
+            parts = [" x ".join(f"{k} {len(values[k])}" for k in PARAMS if len(values[k]) > 1) or "1"
+                     for values in self._sweeps()]
+            dims = parts[0] if len(parts) == 1 else " + ".join(f"({p})" for p in parts)
             raise SpecError(f"spec {self.name} sweeps {n:,} variants ({dims}), more than the limit of {limit:,}: "
                             f"narrow its lists, or allow it with --max-variants {n}")
 
     def variants(self) -> list[Variant]:
-        """Cartesian product of all value lists, in spec order (no feasibility filtering)."""
+        """Cartesian product of all value lists, in spec order, one sweep after the other; a variant that two
+        sweeps both yield (same uri) is listed once, where it first appears. No feasibility filtering."""
         keys = list(PARAMS)
-        out = []
-        for combo in itertools.product(*(self.values[k] for k in keys)):
-            fields = {_FIELD_OF_KEY.get(k, k): value for k, value in zip(keys, combo)}
-            out.append(Variant(**fields, archs=self.archs, kernel=self.kernel))
+        out, seen = [], set()
+        for values in self._sweeps():
+            for combo in itertools.product(*(values[k] for k in keys)):
+                fields = {_FIELD_OF_KEY.get(k, k): value for k, value in zip(keys, combo)}
+                v = Variant(**fields, archs=self.archs, kernel=self.kernel)
+                if v.uri not in seen:
+                    seen.add(v.uri)
+                    out.append(v)
         return out
 
 
@@ -275,7 +296,7 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
     """
     if not isinstance(data, Mapping):
         raise SpecError(f"spec {source}: top level must be a mapping of keys to values, got {type(data).__name__}")
-    allowed_keys = sorted(set(PARAMS) | set(META_KEYS) | {"arch"})
+    allowed_keys = sorted(set(PARAMS) | set(META_KEYS) | {"arch", "sweeps"})
     for key in data:
         if key not in allowed_keys:
             raise SpecError(f"unknown spec key {short_repr(key)}; allowed keys: {', '.join(allowed_keys)}")
@@ -286,18 +307,19 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
     if kernel not in KERNELS:
         raise SpecError(f"spec key 'kernel': value {short_repr(kernel)} not allowed; allowed: {', '.join(KERNELS)}")
 
+    sweep_entries = _sweep_entries(data)
     values: dict[str, tuple] = {}
     for name, param in PARAMS.items():
         if name not in data:
-            if param.required:
+            # a required key may come from every sweep instead of the top level
+            if param.required and not (sweep_entries and all(name in e for e in sweep_entries)):
                 raise SpecError(f"spec key '{name}' is required; allowed: {param.describe()}")
             values[name] = (param.default,)
             continue
-        raw = _as_list(data[name])
-        if not raw:
-            raise SpecError(f"spec key '{name}': empty list; allowed: {param.describe()}")
-        checked = tuple(dict.fromkeys(param.check(v) for v in raw))  # dedupe, keep order
-        values[name] = checked
+        values[name] = _checked_values(param, data[name], f"spec key '{name}'")
+    sweeps = tuple({**values, **{k: _checked_values(PARAMS[k], raw, f"spec key 'sweeps[{i}].{k}'")
+                                 for k, raw in entry.items()}}
+                   for i, entry in enumerate(sweep_entries))
 
     archs_raw = _as_list(data.get("arch", list(DEFAULT_ARCHS)))
     if not archs_raw:
@@ -307,6 +329,54 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
             raise SpecError(f"spec key 'arch': value {short_repr(a)} not allowed; allowed: {', '.join(ARCHS)}")
     archs = tuple(dict.fromkeys(archs_raw))
 
+    for vals in sweeps or (values,):
+        _check_dims(vals)
+    name = data.get("name") or (Path(source).stem if source != "<dict>" else "spec")
+    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise SpecError(f"spec key 'name': {short_repr(name)} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
+    return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source, sweeps=sweeps)
+
+
+def _sweep_entries(data: Mapping) -> list[Mapping]:
+    """The spec's ``sweeps`` list (empty without one): mappings of sweepable keys.
+
+    Raises:
+        SpecError: not a non-empty list of mappings, or an entry with a key that is not a sweepable one."""
+    if "sweeps" not in data:
+        return []
+    raw = data["sweeps"]
+    if not isinstance(raw, list) or not raw or not all(isinstance(e, Mapping) for e in raw):
+        raise SpecError(f"spec key 'sweeps': expected a non-empty list of mappings (each a sweep over the top-level "
+                        f"keys with some replaced), got {short_repr(raw)}")
+    for i, entry in enumerate(raw):
+        for key in entry:
+            if key not in PARAMS:
+                raise SpecError(f"spec key 'sweeps[{i}]': unknown key {short_repr(key)}; allowed in a sweep: "
+                                f"{', '.join(sorted(PARAMS))}")
+    return raw
+
+
+def _checked_values(param: Param, raw: Any, where: str) -> tuple:
+    """A key's value list, each value checked, duplicates dropped (order kept).
+
+    Raises:
+        SpecError: an empty list or a value that :meth:`Param.check` refuses (its message, ``where`` naming the key)."""
+    items = _as_list(raw)
+    if not items:
+        raise SpecError(f"{where}: empty list; allowed: {param.describe()}")
+    try:
+        return tuple(dict.fromkeys(param.check(v) for v in items))
+    except SpecError as e:
+        msg, prefix = str(e), f"spec key '{param.name}'"
+        raise SpecError(where + msg[len(prefix):] if msg.startswith(prefix) else msg) from None
+
+
+def _check_dims(values: Mapping[str, tuple]) -> None:
+    """Head dims against load widths and the MMA k step, for one sweep's values.
+
+    Raises:
+        SpecError: a load width that does not divide a 576-style row, or kv_lora_rank + qk_rope_head_dim not a
+            multiple of 16."""
     for rank in values["kv_lora_rank"]:
         for rope in values["qk_rope_head_dim"]:
             dim = rank + rope
@@ -323,10 +393,6 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
                     f"spec key 'qk_rope_head_dim': kv_lora_rank + qk_rope_head_dim = {dim} is not a multiple of 16 "
                     f"(mma k step); allowed: values making the sum a multiple of 16"
                 )
-    name = data.get("name") or (Path(source).stem if source != "<dict>" else "spec")
-    if not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise SpecError(f"spec key 'name': {short_repr(name)} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
-    return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source)
 
 
 def load_spec(path: str | Path) -> Spec:

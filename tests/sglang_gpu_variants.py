@@ -49,7 +49,7 @@ def spec_for(key: tuple, arch: str) -> dict:
 
 def gpu_case_keys() -> set:
     """The keys of every GPU case: bf16 verify (tree, chain = causal) and decode on rowblock; dimsplit_t verify (tree,
-    chain); e4m3 pools: dimsplit verify (tree) and decode, dimsplit_t verify (tree); the fp8-checkpoint and DP-padded
+    chain) and decode (one score warp); e4m3 pools: dimsplit verify (tree) and decode, dimsplit_t verify (tree); the fp8-checkpoint and DP-padded
     cases use the H8 tree verify key."""
     keys = set()
     for H in H_LIST:
@@ -57,6 +57,7 @@ def gpu_case_keys() -> set:
             keys |= {case_key("verify", H, ps, "tree"), case_key("verify", H, ps, "causal"),
                      case_key("decode", H, ps, "causal")}
             keys |= {case_key("verify", H, ps, m, schedule="dimsplit_t") for m in ("tree", "causal")}
+            keys.add(case_key("decode", H, ps, "causal", schedule="dimsplit_t"))
             keys |= {case_key("verify", H, ps, "tree", kv_fp8=True), case_key("decode", H, ps, "causal", kv_fp8=True)}
             keys.add(case_key("verify", H, ps, "tree", kv_fp8=True, schedule="dimsplit_t"))
     return keys

@@ -1,6 +1,7 @@
 """GPU parity test: mlagen backend vs SGLang's TritonAttnBackend on identical MLA batches.
 
-Runs TARGET_VERIFY (tree and chain drafts; rowblock and dimsplit_t variants) and DECODE, H = 8 and 16,
+Runs TARGET_VERIFY (tree and chain drafts; rowblock and dimsplit_t variants) and DECODE (rowblock and dimsplit_t),
+H = 8 and 16,
 page_size 1 and 64, 1..16 requests: eager, then CUDA-graph capture at the runner's batch buckets and 1000 replays
 with random lengths and padded rows (kv_len 0 on our side), each replay checked against Triton
 and the padded rows checked to be 0. Prints the max errors.
@@ -438,6 +439,16 @@ def test_dimsplit_t_verify_matches_triton(sgl, kernels, H, ps, draft):
     target verify), served the same way as the other cases: eager (run_direct on SGLang's tensors, or the
     metadata launch for a FULL_MASK mask) and replayed beside SGLang's Triton backend."""
     _parity(sgl, kernels, "verify", H, ps, draft, REPLAYS, schedule="dimsplit_t")
+
+
+DST_DECODE_CASES = [(H, ps) for H in H_LIST for ps in PAGE_SIZES]
+
+
+@pytest.mark.parametrize("H, ps", DST_DECODE_CASES, ids=[f"decode-h{h}-ps{p}" for h, p in DST_DECODE_CASES])
+def test_dimsplit_t_decode_matches_triton(sgl, kernels, H, ps):
+    """Plain decode (q_len 1) on the dimsplit_t schedule with one score warp (H 8: 8 rows, H 16: 16 rows of its 24),
+    which specs/kimi-k2-tp8-decode.yaml offers beside rowblock: eager and replayed beside SGLang's Triton backend."""
+    _parity(sgl, kernels, "decode", H, ps, "-", REPLAYS, schedule="dimsplit_t")
 
 
 FP8_CASES = [(role, H, ps, draft) for H in H_LIST for ps in PAGE_SIZES

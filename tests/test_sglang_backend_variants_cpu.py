@@ -12,7 +12,7 @@ from sglang_gpu_variants import (H_LIST, PAGE_SIZES, Q_TREE, _UnionSpec, gpu_cas
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_every_gpu_case_key_builds_one_feasible_variant_that_serves_it(arch):
     keys = gpu_case_keys()
-    assert len(keys) == len(H_LIST) * len(PAGE_SIZES) * 8
+    assert len(keys) == len(H_LIST) * len(PAGE_SIZES) * 9
     for key in keys:
         vs = parse_spec(spec_for(key, arch)).variants()
         assert len(vs) == 1, (key, [v.uri for v in vs])

@@ -30,7 +30,12 @@ def test_shipped_specs_parse_and_sweep():
     assert {v.stages for v in ok if v.schedule == "dimsplit_t"} == {2, 3, 4}
     assert all(reason for _, reason in bad) and len(ok) + len(bad) == len(vs)
     assert load_spec("specs/kimi-k2-tp4-verify.yaml").variants()[0].heads == 16
-    assert load_spec("specs/kimi-k2-tp8-decode.yaml").variants()[0].q_len == 1
+    # the decode spec: one sweep per schedule (rowblock 8 warps, 2-3 stages; dimsplit_t 1 score warp, 3-4 stages)
+    dec = load_spec("specs/kimi-k2-tp8-decode.yaml")
+    ok, _ = split_feasible(dec.variants())
+    assert all(v.q_len == 1 and v.mask == "causal" for v in ok)
+    assert {(v.schedule, v.num_warps, v.row_tiles) for v in ok} == {("rowblock", 8, 1), ("dimsplit_t", 6, 1)}
+    assert len([v for v in ok if v.schedule == "dimsplit_t"]) == 2 * 3 * 2  # page_size x nsplit x stages
     # the fp8 KV cache spec: both e4m3 schedules, every bucket fp8_e4m3 (3 feasible tiles per page size and NSPLIT)
     ok, _ = split_feasible(load_spec("specs/kimi-k2-tp8-verify-fp8kv.yaml").variants())
     assert {(v.schedule, v.stages) for v in ok} == {("dimsplit", 2), ("dimsplit", 3), ("dimsplit_t", 2)}
@@ -329,3 +334,43 @@ def test_dimsplit_t_rules_and_uri():
                       (dict(kv_lora_rank=256), "kv_lora_rank 512")):
         (w,) = parse_spec(dict(base, **bad)).variants()
         assert text in (infeasible_reason(w) or ""), (bad, infeasible_reason(w))
+
+
+def test_sweeps_share_the_top_level_keys_and_join_their_variants():
+    """``sweeps``: each entry is swept over the top-level keys with its own keys replacing them; the variants of all
+    sweeps are joined in order, a variant two sweeps both yield listed once."""
+    spec = parse_spec(dict(BASE, page_size=[1, 64], nsplit=16, sweeps=[
+        dict(schedule="rowblock", row_tiles=[1, 2], stages=2),
+        dict(schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=[3, 4]),
+        dict(schedule="rowblock", row_tiles=1, stages=2),  # all already in the first sweep
+    ]))
+    vs = spec.variants()
+    assert spec.n_variants == 4 + 4 + 2 and len(vs) == 8 == len({v.uri for v in vs})
+    assert [v.schedule for v in vs] == ["rowblock"] * 4 + ["dimsplit_t"] * 4
+    assert {(v.row_tiles, v.stages) for v in vs if v.schedule == "rowblock"} == {(1, 2), (2, 2)}
+    assert {(v.num_warps, v.block_n, v.stages) for v in vs if v.schedule == "dimsplit_t"} == {(8, 32, 3), (8, 32, 4)}
+    assert all(v.nsplit == 16 and v.heads == 8 for v in vs) and {v.page_size for v in vs} == {1, 64}
+    # a required key may come from every sweep; the top level alone is then not a sweep
+    two = parse_spec(dict(heads_per_rank=8, sweeps=[dict(q_len=9), dict(q_len=1, mask="causal")])).variants()
+    assert [(v.q_len, v.mask) for v in two] == [(9, "tree"), (1, "causal")]
+    with pytest.raises(SpecError, match="spec key 'q_len' is required"):
+        parse_spec(dict(heads_per_rank=8, sweeps=[dict(q_len=9), dict(mask="causal")]))
+    with pytest.raises(SpecError, match=r"sweeps 10 variants \(\(page_size 2 x row_tiles 2\) \+ "
+                       r"\(page_size 2 x stages 2\) \+ \(page_size 2\)\), more than the limit of 9"):
+        spec.check_size(9)
+
+
+@pytest.mark.parametrize("sweeps, message", [
+    ([], "spec key 'sweeps': expected a non-empty list of mappings"),
+    (dict(stages=2), "spec key 'sweeps': expected a non-empty list of mappings"),
+    ([dict(stages=2), 3], "spec key 'sweeps': expected a non-empty list of mappings"),
+    ([dict(arch="sm_90")], r"spec key 'sweeps\[0\]': unknown key 'arch'; allowed in a sweep: "),
+    ([dict(stages=2), dict(name="x")], r"spec key 'sweeps\[1\]': unknown key 'name'"),
+    ([dict(stages=9)], r"spec key 'sweeps\[0\].stages': value 9 out of range; allowed: int in \[2, 8\]"),
+    ([dict(schedule="wide")], r"spec key 'sweeps\[0\].schedule': value 'wide' not allowed; allowed: rowblock"),
+    ([dict(stages=[])], r"spec key 'sweeps\[0\].stages': empty list"),
+    ([dict(stages=2), dict(load_width=128, qk_rope_head_dim=4)], "loads do not divide a 516-dim bf16 row"),
+])
+def test_bad_sweeps_name_the_entry_and_key(sweeps, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(dict(BASE, sweeps=sweeps))
