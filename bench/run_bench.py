@@ -145,6 +145,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
     ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
+    ap.add_argument("--q-lens", help="only these q_len (comma-separated; the grids hold 9 and, for H 8, 1)")
     ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
     ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
     ap.add_argument("--kernels", metavar="GLOB", type=_kernels_arg, help="only tuning variants whose uri matches this shell glob, or any of "
@@ -161,7 +162,7 @@ def _parse(argv=None) -> argparse.Namespace:
 
 def _select_grid(a: argparse.Namespace) -> list[tuple]:
     grid = SMALL if a.grid == "small" else FULL
-    for opt, i in (("heads", 0), ("batches", 2), ("contexts", 3), ("page_sizes", 4)):
+    for opt, i in (("heads", 0), ("q_lens", 1), ("batches", 2), ("contexts", 3), ("page_sizes", 4)):
         if getattr(a, opt):
             keep = {int(x) for x in getattr(a, opt).split(",")}
             grid = [g for g in grid if g[i] in keep]

@@ -329,6 +329,8 @@ def test_run_bench_grid_filters():
     g = run_bench._select_grid(a)
     assert g and all(s[0] == 64 and s[4] == 64 and s[2] == 4 for s in g)
     assert len(g) == 4  # four contexts
+    q1 = run_bench._select_grid(run_bench._parse(["--grid", "full", "--q-lens", "1"]))
+    assert q1 and len(q1) == 4 and all(s[:2] == (8, 1) for s in q1)  # H 8 plain decode, bs 1 / 4, 4k / 64k
 
 
 def test_run_sharded_merges_only_this_runs_shards_on_the_visible_gpus(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ esac
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
 # The tiles that win somewhere on the small grid (H 8 / 16 / 64, q_len 9 and 1): dimsplit_t, dimsplit, rowblock
-RELEASE_KERNELS="*_lw128_bn32_w8_rt3_st[34]_dimsplit_t_*,*_lw128_bn32_w6_rt1_st[34]_dimsplit_t_*,*_lw128_bn32_w8_rt[56]_st3_dimsplit_tree*,*_lwbulk_bn32_w8_rt[12]_st2_tree*,*_lwbulk_bn32_w16_rt1_st2_causal*"
+RELEASE_KERNELS="*_lw128_bn32_w8_rt3_st[34]_dimsplit_t_*,*_lw128_bn32_w6_rt1_st[34]_dimsplit_t_*,*_lw128_bn32_w8_rt[56]_st3_dimsplit_tree*,*_lwbulk_bn32_w8_rt[12]_st2_tree*,*_lwbulk_bn32_w16_rt1_st2_causal*,*_lw128_bn32_w8_rt1_st2_causal*"
 sglang_test() {
   python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
   # every case's module in one parallel build first (built one at a time on first use, the 32 modules alone take
