@@ -313,7 +313,9 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
         if name not in data:
             # a required key may come from every sweep instead of the top level
             if param.required and not (sweep_entries and all(name in e for e in sweep_entries)):
-                raise SpecError(f"spec key '{name}' is required; allowed: {param.describe()}")
+                lacking = [i for i, e in enumerate(sweep_entries) if name not in e]
+                where = f" (at the top level or in every sweep; sweeps[{lacking[0]}] lacks it)" if sweep_entries else ""
+                raise SpecError(f"spec key '{name}' is required{where}; allowed: {param.describe()}")
             values[name] = (param.default,)
             continue
         values[name] = _checked_values(param, data[name], f"spec key '{name}'")
@@ -345,10 +347,13 @@ def _sweep_entries(data: Mapping) -> list[Mapping]:
     if "sweeps" not in data:
         return []
     raw = data["sweeps"]
-    if not isinstance(raw, list) or not raw or not all(isinstance(e, Mapping) for e in raw):
+    if not isinstance(raw, list) or not raw:
         raise SpecError(f"spec key 'sweeps': expected a non-empty list of mappings (each a sweep over the top-level "
                         f"keys with some replaced), got {short_repr(raw)}")
     for i, entry in enumerate(raw):
+        if not isinstance(entry, Mapping):
+            raise SpecError(f"spec key 'sweeps[{i}]': expected a mapping of keys to values, got "
+                            f"{type(entry).__name__} {short_repr(entry)}")
         for key in entry:
             if key not in PARAMS:
                 raise SpecError(f"spec key 'sweeps[{i}]': unknown key {short_repr(key)}; allowed in a sweep: "

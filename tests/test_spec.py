@@ -353,7 +353,8 @@ def test_sweeps_share_the_top_level_keys_and_join_their_variants():
     # a required key may come from every sweep; the top level alone is then not a sweep
     two = parse_spec(dict(heads_per_rank=8, sweeps=[dict(q_len=9), dict(q_len=1, mask="causal")])).variants()
     assert [(v.q_len, v.mask) for v in two] == [(9, "tree"), (1, "causal")]
-    with pytest.raises(SpecError, match="spec key 'q_len' is required"):
+    with pytest.raises(SpecError, match=r"spec key 'q_len' is required \(at the top level or in every sweep; "
+                                        r"sweeps\[1\] lacks it\)"):
         parse_spec(dict(heads_per_rank=8, sweeps=[dict(q_len=9), dict(mask="causal")]))
     with pytest.raises(SpecError, match=r"sweeps 10 variants \(\(page_size 2 x row_tiles 2\) \+ "
                        r"\(page_size 2 x stages 2\) \+ \(page_size 2\)\), more than the limit of 9"):
@@ -363,7 +364,8 @@ def test_sweeps_share_the_top_level_keys_and_join_their_variants():
 @pytest.mark.parametrize("sweeps, message", [
     ([], "spec key 'sweeps': expected a non-empty list of mappings"),
     (dict(stages=2), "spec key 'sweeps': expected a non-empty list of mappings"),
-    ([dict(stages=2), 3], "spec key 'sweeps': expected a non-empty list of mappings"),
+    ([dict(stages=2), 3], r"spec key 'sweeps\[1\]': expected a mapping of keys to values, got int 3"),
+    (["rowblock"], r"spec key 'sweeps\[0\]': expected a mapping of keys to values, got str 'rowblock'"),
     ([dict(arch="sm_90")], r"spec key 'sweeps\[0\]': unknown key 'arch'; allowed in a sweep: "),
     ([dict(stages=2), dict(name="x")], r"spec key 'sweeps\[1\]': unknown key 'name'"),
     ([dict(stages=9)], r"spec key 'sweeps\[0\].stages': value 9 out of range; allowed: int in \[2, 8\]"),
