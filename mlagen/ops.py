@@ -17,7 +17,8 @@ import torch
 
 from mlagen.spec import Variant
 
-# nsplit "auto": the split count whose CTAs fill the GPU's CTA slots (occupancy x SMs) in whole
+# nsplit "auto": the split count whose CTAs fill the GPU's CTA slots (occupancy x SMs, for cluster schedules at most
+# 2 x the resident clusters: VerifyKernel.cta_slots) in whole
 # waves (see auto_num_splits), and at least this many KV tokens per split (shorter splits cost more
 # in combine traffic than they win: on an H200, 64 was 0.4-1.7 µs faster than 128 at 4k bs 1 and level
 # from 16k up, 32 no faster than 64; docs/perf-notes.md v14).
@@ -168,7 +169,7 @@ class VerifyKernel:
         """Grid split count for ``batch_size`` (fixed per batch size, so CUDA-graph safe).
 
         Fixed variants return their nsplit. ``auto``: :func:`auto_num_splits` of bs * row_blocks *
-        ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on occupancy * SMs slots (whole waves,
+        ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on :meth:`cta_slots` slots (whole waves,
         slack :attr:`auto_slack`, the waves filled), in [1, 256]; each request then spreads its tiles over
         those splits on the device (at least :meth:`min_tiles_per_split` tiles per non-empty split).
         """
@@ -186,7 +187,7 @@ class VerifyKernel:
         ``max_active_clusters()`` (cudaOccupancyMaxActiveClusters) x 2: a cluster's CTAs run on SMs of one GPC, so a
         GPU whose GPCs hold an odd number of SMs fits fewer clusters than SMs / 2, and a split count filled to SMs / 2
         would run its last clusters in a second wave. On the H200 the query gives 66 (132 SMs, the cap changes nothing);
-        a query that fails (0) leaves the SM count."""
+        a query that fails (0), or a module built without it, leaves the SM count."""
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
@@ -196,8 +197,9 @@ class VerifyKernel:
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
                 slots = _sm_count(dev) * occ
                 per_cluster = self.variant.ctas_per_row_block
-                if per_cluster > 1:
-                    clusters = int(self.module.max_active_clusters())
+                query = getattr(self.module, "max_active_clusters", None)  # absent in modules built before it
+                if per_cluster > 1 and query is not None:
+                    clusters = int(query())
                     if clusters > 0:
                         slots = min(slots, clusters * per_cluster)
                 self._sm[idx] = slots

@@ -415,6 +415,19 @@ def test_bad_tensor_raises_before_launch(kernels):
     assert torch.isnan(out.float()).all(), "a rejected call must not write the output"
 
 
+def test_cluster_builds_report_resident_clusters(kernels):
+    """Every dimsplit_t build (not only the fused-merge diagnostic ones) answers cudaOccupancyMaxActiveClusters, and
+    nsplit auto takes at most twice that many CTA slots: the cap that keeps bs 1's filled split count in one wave on a
+    GPU whose GPCs fit fewer clusters than SMs / 2 (mlagen/ops.py VerifyKernel.cta_slots)."""
+    k = kernels["k2_dst"][0]
+    assert k.variant.nsplit == "auto" and k.variant.ctas_per_row_block == 2 and not k.module.fused_merge
+    clusters = k.module.max_active_clusters()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 0 < clusters <= sms // 2
+    assert k.cta_slots() == min(sms * k.module.max_active_ctas_per_sm(), 2 * clusters)
+    assert k.num_splits(1) * 2 <= k.cta_slots()  # bs 1: one wave of two-CTA splits
+
+
 def test_auto_split_fills_whole_waves(kernels):
     from mlagen.ops import auto_num_splits
 

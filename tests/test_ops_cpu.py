@@ -224,6 +224,10 @@ def test_cluster_slots_are_capped_by_resident_clusters(monkeypatch, clusters, sl
     rb = _kernel(nsplit="auto")
     rb.module.clusters = 1  # would cap a cluster build to 2 slots; a rowblock build ignores it
     assert rb.cta_slots(dev) == sms
+    # a module built before the query existed (an installed state from an older mlagen): no cap, no error
+    old = _kernel(nsplit="auto", schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=4)
+    old.module = types.SimpleNamespace(smem_bytes=95296, max_active_ctas_per_sm=lambda: 1)
+    assert old.cta_slots(dev) == sms and old.num_splits(1, dev) == sms // 2
 
 
 def test_load_module_refuses_a_second_file_under_one_name(tmp_path):
