@@ -60,21 +60,24 @@ class Param:
         parts.extend(repr(e) for e in self.extra)
         return " or ".join(parts)
 
-    def check(self, value: Any) -> Any:
+    def check(self, value: Any, where: str | None = None) -> Any:
+        """``value`` if allowed, else SpecError; ``where`` names the key in the message (default "spec key 'NAME'";
+        a sweep entry's key says which entry)."""
+        where = where or f"spec key '{self.name}'"
         if isinstance(value, str) and value in self.extra:
             return value
         if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(
-                f"spec key '{self.name}': expected int, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
+                f"{where}: expected int, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
             )
         if self.kind is str and not isinstance(value, str):
             raise SpecError(
-                f"spec key '{self.name}': expected str, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
+                f"{where}: expected str, got {type(value).__name__} {short_repr(value)}; allowed: {self.describe()}"
             )
         if self.allowed is not None and value not in self.allowed:
-            raise SpecError(f"spec key '{self.name}': value {short_repr(value)} not allowed; allowed: {self.describe()}")
+            raise SpecError(f"{where}: value {short_repr(value)} not allowed; allowed: {self.describe()}")
         if self.lo is not None and not (self.lo <= value <= self.hi):
-            raise SpecError(f"spec key '{self.name}': value {short_repr(value)} out of range; allowed: {self.describe()}")
+            raise SpecError(f"{where}: value {short_repr(value)} out of range; allowed: {self.describe()}")
         return value
 
 
@@ -365,15 +368,11 @@ def _checked_values(param: Param, raw: Any, where: str) -> tuple:
     """A key's value list, each value checked, duplicates dropped (order kept).
 
     Raises:
-        SpecError: an empty list or a value that :meth:`Param.check` refuses (its message, ``where`` naming the key)."""
+        SpecError: an empty list or a value that :meth:`Param.check` refuses (``where`` names the key)."""
     items = _as_list(raw)
     if not items:
         raise SpecError(f"{where}: empty list; allowed: {param.describe()}")
-    try:
-        return tuple(dict.fromkeys(param.check(v) for v in items))
-    except SpecError as e:
-        msg, prefix = str(e), f"spec key '{param.name}'"
-        raise SpecError(where + msg[len(prefix):] if msg.startswith(prefix) else msg) from None
+    return tuple(dict.fromkeys(param.check(v, where) for v in items))
 
 
 def _check_dims(values: Mapping[str, tuple]) -> None:
