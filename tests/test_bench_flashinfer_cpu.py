@@ -480,6 +480,7 @@ splits 66
 "0","4242","python3","127.0.0.1","void mla_verify_partial_kernel<Cfg<8, 9>>(MlaVerifyParams)","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","75,912,448"
 "0","4242","python3","127.0.0.1","void mla_verify_partial_kernel<Cfg<8, 9>>(MlaVerifyParams)","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","98,112"
 "0","4242","python3","127.0.0.1","void mla_verify_partial_kernel<Cfg<8, 9>>(MlaVerifyParams)","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","l1tex__m_xbar2l1tex_read_bytes.sum","byte","430,243,840"
+"0","4242","python3","127.0.0.1","void mla_verify_partial_kernel<Cfg<8, 9>>(MlaVerifyParams)","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","lts__t_sectors_srcunit_tex_op_read.sum","sector","2,477,000"
 "1","4242","python3","127.0.0.1","mla_verify_combine_kernel(MlaVerifyParams)","1","7","(128, 1, 1)","(72, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,000,000"
 "1","4242","python3","127.0.0.1","mla_verify_combine_kernel(MlaVerifyParams)","1","7","(128, 1, 1)","(72, 1, 1)","0","9.0","Command line profiler metrics","l1tex__m_xbar2l1tex_read_bytes.sum","byte","n/a"
 ==PROF== Disconnected from process 4242
@@ -499,7 +500,8 @@ def test_l2_bytes_parses_ncu_csv_and_reports_per_kernel():
     assert len(lines) == 2
     assert lines[0].startswith("mla_verify_partial_kernel: L2->SM    430.2 MB =  5.70 x KV")
     assert "DRAM read     75.9 MB =  1.01 x KV" in lines[0] and "98.1 us" in lines[0] and lines[0].endswith("| URI")
-    assert lines[1].startswith("mla_verify_combine_kernel: L2->SM n/a")
+    assert "L2 read by SMs     79.3 MB =  1.05 x KV" in lines[0]  # 2,477,000 sectors x 32 B
+    assert lines[1].startswith("mla_verify_combine_kernel: L2->SM n/a") and "L2 read by SMs" not in lines[1]
 
 
 def test_l2_bytes_ncu_command():
@@ -509,6 +511,7 @@ def test_l2_bytes_ncu_command():
     s = " ".join(cmd)
     assert cmd[0] == "ncu" and "--clock-control none" in s and "--profile-from-start off" in s
     assert "l1tex__m_xbar2l1tex_read_bytes.sum" in s and "dram__bytes_read.sum" in s and "--print-units base" in s
+    assert "lts__t_sectors_srcunit_tex_op_read.sum" in s
     assert cmd[-6:] == ["--child", "URI", "--ctx", "65536", "--bs", "1"]
 
 
@@ -524,6 +527,7 @@ def test_l2_bytes_json_record_sums_every_kernel():
     assert rec["l2_sm_per_kv"] == 430243840 / kv  # the combine's n/a is left out, not counted as 0 bytes
     assert rec["dram_per_kv"] == (75912448 + 1000000) / kv
     assert rec["kernels"][0]["us"] == 98.112
+    assert rec["l2_read_per_kv"] == 2477000 * 32 / kv and rec["kernels"][1]["l2_read_bytes"] is None
     assert l2_bytes.summary_record([], kv, "URI")["l2_sm_per_kv"] is None
 
 

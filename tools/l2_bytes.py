@@ -9,6 +9,9 @@ call, partial and combine or whatever the variant launches), with the metrics
 
     l1tex__m_xbar2l1tex_read_bytes.sum   bytes L2 -> SM (L1TEX / shared memory, cp.async and bulk copies)
     dram__bytes_read.sum                 bytes read from DRAM
+    lts__t_sectors_srcunit_tex_op_read.sum  32-byte sectors the L2 served to SM reads (the L2 side: a cluster's
+                                         SM-to-SM distributed shared memory traffic, which the first metric
+                                         counts too, never touches the L2)
     gpu__time_duration.sum               the kernel's time under the profiler (clocks not locked)
 
 and prints one line per kernel: each byte count and its ratio to the KV bytes of the call
@@ -31,7 +34,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METRICS = ("l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum", "gpu__time_duration.sum")
+METRICS = ("l1tex__m_xbar2l1tex_read_bytes.sum", "dram__bytes_read.sum", "gpu__time_duration.sum",
+           "lts__t_sectors_srcunit_tex_op_read.sum")
+SECTOR_BYTES = 32  # an L2 sector
 D_QK = 576
 
 
@@ -86,6 +91,9 @@ def report_lines(kernels: list[dict], kv: int, uri: str = "") -> list[str]:
         s = f"{short_name(k['name'])}:"
         s += f" L2->SM {l2 / 1e6:8.1f} MB = {l2 / kv:5.2f} x KV" if l2 is not None else " L2->SM n/a"
         s += f" | DRAM read {dram / 1e6:8.1f} MB = {dram / kv:5.2f} x KV" if dram is not None else " | DRAM read n/a"
+        l2r = m.get(METRICS[3])
+        if l2r is not None:  # read at the L2 side: excludes the cluster's SM-to-SM (distributed shared memory) bytes
+            s += f" | L2 read by SMs {l2r * SECTOR_BYTES / 1e6:8.1f} MB = {l2r * SECTOR_BYTES / kv:5.2f} x KV"
         s += f" | {t / 1e3:7.1f} us" if t is not None else ""
         s += f" | KV {kv / 1e6:.1f} MB" + (f" | {uri}" if uri else "")
         out.append(s)
@@ -98,14 +106,16 @@ def summary_record(kernels: list[dict], kv: int, uri: str) -> dict:
     bytes; a ratio is None when ncu reported the metric for no kernel."""
     rows = [dict(name=short_name(k["name"]), l2_sm_bytes=k["metrics"].get(METRICS[0]),
                  dram_read_bytes=k["metrics"].get(METRICS[1]),
-                 us=k["metrics"][METRICS[2]] / 1e3 if METRICS[2] in k["metrics"] else None) for k in kernels]
+                 us=k["metrics"][METRICS[2]] / 1e3 if METRICS[2] in k["metrics"] else None,
+                 l2_read_bytes=(k["metrics"][METRICS[3]] * SECTOR_BYTES if METRICS[3] in k["metrics"] else None))
+            for k in kernels]
 
     def ratio(key: str):
         vals = [r[key] for r in rows if r[key] is not None]
         return sum(vals) / kv if vals else None
 
     return dict(uri=uri, kv_bytes=kv, kernels=rows, l2_sm_per_kv=ratio("l2_sm_bytes"),
-                dram_per_kv=ratio("dram_read_bytes"))
+                dram_per_kv=ratio("dram_read_bytes"), l2_read_per_kv=ratio("l2_read_bytes"))
 
 
 def _child(uri: str, ctx: int, bs: int) -> None:
