@@ -90,6 +90,9 @@
 // MLAGEN_DST_SCORE_NTILES 3 (every shipped build): score warps of 24 rows (3 n8 tiles), row_tiles of them; 2: score
 // warps of 16 rows (2 n8 tiles), as many as cover row_tiles x 24 rows (rt3: 5 score warps, 80 rows, 10 warps), so a
 // score warp's step is 72 MMAs instead of 108 and two of the busiest schedulers hold a second score warp (perf-notes v25).
+#ifndef MLAGEN_DST_OUT_PGROUP
+#define MLAGEN_DST_OUT_PGROUP 4
+#endif
 #ifndef MLAGEN_DST_SCORE_NTILES
 #define MLAGEN_DST_SCORE_NTILES 3
 #endif
@@ -193,7 +196,7 @@ struct MlaDimSplitTConfig {
       kNTilesS == 3 ? kRowNTiles : ((kHeads * kQLenMax < kRowsPerCta ? kHeads * kQLenMax : kRowsPerCta) + 7) / 8;
   // n8 row tiles per group of the output warps' P V step (P^T fragments held across the dim tiles): all of them
   // (24-row score warps: 255 registers), or 4 (16-row score warps: 10 warps get 168 registers, 16 K per sub-partition).
-  static constexpr int kOutPGroup = kNTilesS == 3 ? kOutNTiles : 4;
+  static constexpr int kOutPGroup = kNTilesS == 3 ? kOutNTiles : MLAGEN_DST_OUT_PGROUP;
   static constexpr int kOutWarps = 4;
   static constexpr int kWarps = kScoreWarps + kOutWarps + 1;
   static constexpr int kThreads = kWarps * 32;
@@ -811,6 +814,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
               if (ng + n < Cfg::kOutNTiles) ptx::mma_bf16_16816(o[mt][ng + n], va, pb[n][0], pb[n][1]);
             }
           }
+          if constexpr (kG < Cfg::kOutNTiles) __syncwarp();  // keeps the next group's loads after these MMAs
         }
       }
       __syncwarp();
