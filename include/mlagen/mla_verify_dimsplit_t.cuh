@@ -87,16 +87,6 @@
 #define MLAGEN_DST_FP8_CONVERT 0
 #endif
 
-// MLAGEN_DST_SCORE_NTILES 3 (every shipped build): score warps of 24 rows (3 n8 tiles), row_tiles of them; 2: score
-// warps of 16 rows (2 n8 tiles), as many as cover row_tiles x 24 rows (rt3: 5 score warps, 80 rows, 10 warps), so a
-// score warp's step is 72 MMAs instead of 108 and two of the busiest schedulers hold a second score warp (perf-notes v25).
-#ifndef MLAGEN_DST_OUT_PGROUP
-#define MLAGEN_DST_OUT_PGROUP 4
-#endif
-#ifndef MLAGEN_DST_SCORE_NTILES
-#define MLAGEN_DST_SCORE_NTILES 3
-#endif
-
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -158,6 +148,8 @@ struct MlaDimSplitTConfig {
   static constexpr int kPageSize = kPageSize_;
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kStages_;
   // fp8: bf16 stages the output warps fill. A tile is read by the score warps (K of step j) and then by the output
   // warps (V, during the score warps' step j + 2), so three tiles are live at once: tile j + 3 is converted into
@@ -184,22 +176,13 @@ struct MlaDimSplitTConfig {
   static constexpr bool kFusedMerge = MLAGEN_DST_MERGE != 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
-  static constexpr int kRowTiles = kRowTiles_;  // row_tiles x 24 rows per cluster
-  static constexpr int kNTilesS = MLAGEN_DST_SCORE_NTILES;  // n8 tiles per score warp
-  static constexpr int kRowsPerScoreWarp = kNTilesS * 8;
-  static constexpr int kScoreWarps = (kRowTiles * 24 + kRowsPerScoreWarp - 1) / kRowsPerScoreWarp;
-  static constexpr int kRowsPerCta = kScoreWarps * kRowsPerScoreWarp;  // rows of the cluster (both CTAs: all)
+  static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
+  static constexpr int kScoreWarps = kRowTiles;
+  static constexpr int kRowsPerScoreWarp = 24;
+  static constexpr int kNTilesS = kRowsPerScoreWarp / 8;
+  static constexpr int kRowsPerCta = kRowTiles * kRowsPerScoreWarp;  // rows of the cluster (both CTAs: all)
   static constexpr int kRowNTiles = kRowsPerCta / 8;
-  // n8 row tiles the output warps accumulate: all of the block's, or with 16-row score warps only those that can
-  // hold a row (H8 q9: 9 of the 10; the 10th holds padding rows that no request has).
-  static constexpr int kOutNTiles =
-      kNTilesS == 3 ? kRowNTiles : ((kHeads * kQLenMax < kRowsPerCta ? kHeads * kQLenMax : kRowsPerCta) + 7) / 8;
-  // n8 row tiles per group of the output warps' P V step (P^T fragments held across the dim tiles): all of them
-  // (24-row score warps: 255 registers), or 4 (16-row score warps: 10 warps get 168 registers, 16 K per sub-partition).
-  static constexpr int kOutPGroup = kNTilesS == 3 ? kOutNTiles : MLAGEN_DST_OUT_PGROUP;
   static constexpr int kOutWarps = 4;
-  static constexpr int kWarps = kScoreWarps + kOutWarps + 1;
-  static constexpr int kThreads = kWarps * 32;
   static constexpr int kFirstOutWarp = kScoreWarps;
   static constexpr int kConsumerWarps = kScoreWarps + kOutWarps;  // arrivals on empty[stage]
   static constexpr int kProducerWarp = kConsumerWarps;
@@ -282,7 +265,7 @@ struct MlaDimSplitTConfig {
   // Registers held per thread across the main loop: score warps Q (B fragments) + two accumulator chains +
   // the previous sub-tile's scores; output warps the O^T accumulators.
   static constexpr int kRegsScore = kKSteps * kNTilesS * 2 + 3 * kMTilesS * kNTilesS * 4;
-  static constexpr int kRegsOut = kMTilesO * kOutNTiles * 4;
+  static constexpr int kRegsOut = kMTilesO * kRowNTiles * 4;
 
   static_assert(kHeads >= 1 && kHeads <= 128, "heads_per_rank must be in [1, 128]");
   static_assert(kQLenMax >= 1 && kQLenMax <= 64, "q_len must be in [1, 64] (tree mask is a 64-bit row)");
@@ -292,9 +275,8 @@ struct MlaDimSplitTConfig {
                 "dimsplit_t: kv_lora_rank 512 and qk_rope_head_dim 64 (a 512-byte latent half per producer "
                 "instruction, 64 output dims per output warp)");
   static_assert(kBlockN == 16 || kBlockN == 32, "dimsplit_t: block_n must be 16 or 32 (one token per producer lane)");
-  static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (24 rows each) must be 1..3");
-  static_assert(kWarps_ == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
-  static_assert(kNTilesS == 2 || kNTilesS == 3, "dimsplit_t: score warps of 16 or 24 rows");
+  static_assert(kRowTiles >= 1 && kRowTiles <= 3, "dimsplit_t: row_tiles (score warps of 24 rows) must be 1..3");
+  static_assert(kWarps == kRowTiles + kOutWarps + 1, "dimsplit_t: num_warps must be row_tiles + 5");
   static_assert(kStages >= 2, "need at least two pipeline stages");
   static_assert(!kKvFp8 || kBlockN == 32, "dimsplit_t fp8: block_n 32 (the e4m3 producer copies two tokens' latent "
                                           "halves per instruction, 16 tokens' rope halves)");
@@ -696,11 +678,11 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     const int dim0 = ow * Cfg::kDimVWarp;
     // O^T fragments (m16 dims x n8 rows): o[mt][nt][0] = (dim 16 mt + g, row 8 nt + 2 t4), [1] = (.., row + 1),
     // [2] = (dim + 8, row 8 nt + 2 t4), [3] = (dim + 8, row + 1).
-    float o[Cfg::kMTilesO][Cfg::kOutNTiles][4];
+    float o[Cfg::kMTilesO][Cfg::kRowNTiles][4];
 #pragma unroll
     for (int mt = 0; mt < Cfg::kMTilesO; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kOutNTiles; ++nt)
+      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
     // ldmatrix.trans row addresses: V^T A fragments, matrices (tokens 0-7, dims 0-7), (tokens 0-7, dims 8-15),
@@ -752,10 +734,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       const int buf = j % Cfg::kPBufs;
       ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u);
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
-      float2 alpha[Cfg::kOutNTiles];
+      float2 alpha[Cfg::kRowNTiles];
       bool unit = true;
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kOutNTiles; ++nt) {
+      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
         alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
         unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
       }
@@ -763,7 +745,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTilesO; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < Cfg::kOutNTiles; ++nt) {
+          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
             o[mt][nt][0] *= alpha[nt].x;
             o[mt][nt][1] *= alpha[nt].y;
             o[mt][nt][2] *= alpha[nt].x;
@@ -774,47 +756,29 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       for (int kt = 0; kt < ((kAblate & kAblatePV) ? 0 : Cfg::kMTilesS); ++kt) {  // k16 steps over the tokens
         const __nv_bfloat16* pt =
             pt_smem + buf * Cfg::kPBufElems + (kt * 16 + p_tok) * Cfg::kPRowElems + p_row;
+        uint32_t pb[Cfg::kRowNTiles][2];
+#pragma unroll
+        for (int np = 0; np < Cfg::kRowNTiles / 2; ++np) {
+          uint32_t r[4];
+          ptx::ldmatrix_x4_trans(r, pt + np * 16);
+          pb[2 * np][0] = r[0];
+          pb[2 * np][1] = r[1];
+          pb[2 * np + 1][0] = r[2];
+          pb[2 * np + 1][1] = r[3];
+        }
+        if constexpr (Cfg::kRowNTiles % 2 == 1) {  // the last n8 tile alone: lanes 0-15 give its two matrices
+          uint32_t r[2];
+          ptx::ldmatrix_x2_trans(r, pt - p_row + (Cfg::kRowNTiles - 1) * 8);
+          pb[Cfg::kRowNTiles - 1][0] = r[0];
+          pb[Cfg::kRowNTiles - 1][1] = r[1];
+        }
         const __nv_bfloat16* v_src = sub_kv(j) + (kt * 16 + v_tok) * Cfg::kKvRowElems + dim0 + v_dim;
-        // n8 row tiles in groups of kOutPGroup: a group's P^T fragments are held across the 4 dim tiles, each V
-        // fragment across the group (one group in 24-row builds; 16-row builds reload V per group to fit 168 registers)
 #pragma unroll
-        for (int ng = 0; ng < Cfg::kOutNTiles; ng += Cfg::kOutPGroup) {
-          constexpr int kG = Cfg::kOutPGroup;
-          uint32_t pb[kG][2];
+        for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
+          uint32_t va[4];
+          ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
 #pragma unroll
-          for (int np = 0; np < kG / 2; ++np) {
-            if (ng + 2 * np + 1 < Cfg::kOutNTiles) {
-              uint32_t r[4];
-              ptx::ldmatrix_x4_trans(r, pt + (ng + 2 * np) * 8);
-              pb[2 * np][0] = r[0];
-              pb[2 * np][1] = r[1];
-              pb[2 * np + 1][0] = r[2];
-              pb[2 * np + 1][1] = r[3];
-            } else if (ng + 2 * np < Cfg::kOutNTiles) {  // the last n8 tile alone: lanes 0-15 give its two matrices
-              uint32_t r[2];
-              ptx::ldmatrix_x2_trans(r, pt - p_row + (ng + 2 * np) * 8);
-              pb[2 * np][0] = r[0];
-              pb[2 * np][1] = r[1];
-            }
-          }
-          if constexpr (kG % 2 == 1) {  // an odd group (the whole tile set, odd): its last n8 tile alone
-            if (ng + kG - 1 < Cfg::kOutNTiles) {
-              uint32_t r[2];
-              ptx::ldmatrix_x2_trans(r, pt - p_row + (ng + kG - 1) * 8);
-              pb[kG - 1][0] = r[0];
-              pb[kG - 1][1] = r[1];
-            }
-          }
-#pragma unroll
-          for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
-            uint32_t va[4];
-            ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
-#pragma unroll
-            for (int n = 0; n < kG; ++n) {
-              if (ng + n < Cfg::kOutNTiles) ptx::mma_bf16_16816(o[mt][ng + n], va, pb[n][0], pb[n][1]);
-            }
-          }
-          if constexpr (kG < Cfg::kOutNTiles) __syncwarp();  // keeps the next group's loads after these MMAs
+          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) ptx::mma_bf16_16816(o[mt][nt], va, pb[nt][0], pb[nt][1]);
         }
       }
       __syncwarp();
@@ -830,7 +794,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     PartialT* o_base =
         reinterpret_cast<PartialT*>(p.o_part) + ws_row_base * Cfg::kDimV + rank * Cfg::kDimVCta + dim0;
 #pragma unroll
-    for (int nt = 0; nt < Cfg::kOutNTiles; ++nt)
+    for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int rl = nt * 8 + 2 * t4 + e;
