@@ -1,6 +1,6 @@
 """L2 -> SM and DRAM read bytes per KV byte of an mlagen variant, measured with Nsight Compute.
 
-    python3 tools/l2_bytes.py URI [URI ...] [--ctx 65536] [--bs 1] [--ncu ncu] [--json]
+    python3 tools/l2_bytes.py URI [URI ...] [--ctx 65536] [--bs 1] [--ncu ncu] [--json] [--define NAME=VALUE ...]
 
 For each uri (its H, q_len and page size are the uri's; default shape: 64k context, batch 1) this builds
 the variant, runs it three times to warm up, then once between cudaProfilerStart and cudaProfilerStop,
@@ -29,6 +29,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,10 +46,12 @@ def kv_bytes(bs: int, ctx: int, dim_qk: int = D_QK) -> int:
     return bs * ctx * dim_qk * 2
 
 
-def ncu_command(uri: str, ctx: int, bs: int, ncu: str = "ncu") -> list[str]:
+def ncu_command(uri: str, ctx: int, bs: int, ncu: str = "ncu", defines: list[str] | None = None) -> list[str]:
+    """The ncu command line that profiles one call of ``uri`` (built with ``#define`` NAME VALUE for each
+    "NAME=VALUE" of ``defines``: a diagnostic build, tools/device_ab_define.py's, outside the registry)."""
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(METRICS),
             "--csv", "--print-units", "base", sys.executable, str(Path(__file__).resolve()), "--child", uri,
-            "--ctx", str(ctx), "--bs", str(bs)]
+            "--ctx", str(ctx), "--bs", str(bs)] + [x for d in (defines or []) for x in ("--define", d)]
 
 
 def _num(text: str) -> float:
@@ -118,9 +121,12 @@ def summary_record(kernels: list[dict], kv: int, uri: str) -> dict:
                 dram_per_kv=ratio("dram_read_bytes"), l2_read_per_kv=ratio("l2_read_bytes"))
 
 
-def _child(uri: str, ctx: int, bs: int) -> None:
-    """Build and run the variant; the fourth call is the profiled one (between profiler start and stop)."""
+def _child(uri: str, ctx: int, bs: int, defines: list[str] | None = None) -> None:
+    """Build and run the variant; the fourth call is the profiled one (between profiler start and stop). With
+    ``defines``, a diagnostic build for this GPU's arch in $MLAGEN_ABLATE_DIR (tools/device_ab_define.py's)."""
     sys.path.insert(0, str(ROOT))
+    import dataclasses
+
     import torch
 
     from mlagen.build import build_variants
@@ -129,8 +135,19 @@ def _child(uri: str, ctx: int, bs: int) -> None:
     from mlagen.spec import Variant
 
     v = Variant.from_uri(uri)
-    b = build_variants(v.spec_dict("l2bytes"), kernels=v.uri)[0]
-    k = VerifyKernel(b.variant, b.so_path)
+    if defines:
+        sys.path.insert(0, str(ROOT / "tools"))
+        from device_ab_define import build as build_diagnostic
+
+        major, minor = torch.cuda.get_device_capability()
+        v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
+        out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mod, so = build_diagnostic(v, [tuple(d.split("=", 1)) for d in defines], out_dir)
+        k = VerifyKernel(v, so, mod)
+    else:
+        b = build_variants(v.spec_dict("l2bytes"), kernels=v.uri)[0]
+        k = VerifyKernel(b.variant, b.so_path)
     p = make_problem(v, [ctx] * bs, device="cuda", poison_pool=False, seed=0)
     ws = k.alloc_workspace(bs, "cuda")
     out = torch.empty(p.q.shape[0], v.heads, v.dim_v, dtype=torch.bfloat16, device="cuda")
@@ -152,14 +169,19 @@ def main(argv=None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--ncu", default=os.environ.get("NCU", "ncu"))
     ap.add_argument("--json", action="store_true", help="one JSON object per uri (summary_record) instead of text")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="profile a diagnostic build with #define NAME VALUE (repeatable; e.g. MLAGEN_ABLATE=1)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the profiled process
     a = ap.parse_args(argv)
+    bad = [d for d in a.define if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=[A-Za-z0-9_]+", d)]
+    if bad:
+        ap.error(f"--define takes NAME=VALUE (an upper-case macro name, a plain value), got {bad[0]!r}")
     if a.child:
-        _child(a.uris[0], a.ctx, a.bs)
+        _child(a.uris[0], a.ctx, a.bs, a.define)
         return 0
     kv, rc = kv_bytes(a.bs, a.ctx), 0
     for uri in a.uris:
-        r = subprocess.run(ncu_command(uri, a.ctx, a.bs, a.ncu), capture_output=True, text=True)
+        r = subprocess.run(ncu_command(uri, a.ctx, a.bs, a.ncu, a.define), capture_output=True, text=True)
         kernels = parse_ncu_csv(r.stdout)
         if r.returncode != 0 or not kernels:
             why = f"ncu exit {r.returncode}, {len(kernels)} kernels profiled"

@@ -87,6 +87,19 @@
 #define MLAGEN_DST_FP8_CONVERT 0
 #endif
 
+// MLAGEN_DST_L2_PREFETCH 1 (every shipped build): the producer prefetches into L2 the tile kStages ahead (perf-notes
+// v12b); 0: no L2 prefetch, for measuring its traffic and time (tools/l2_bytes.py --define, perf-notes v25).
+#ifndef MLAGEN_DST_L2_PREFETCH
+#define MLAGEN_DST_L2_PREFETCH 1
+#endif
+
+// MLAGEN_DST_BULK 0 (every shipped build): the producer's lanes copy a token's halves with 16-byte cp.async; 1: with
+// two cp.async.bulk per token (dimsplit's bulk producer: one expect_tx arrival per stage, the ring zeroed up front),
+// bf16 only, for measuring the L2 -> SM bytes and time of each copy form (perf-notes v25).
+#ifndef MLAGEN_DST_BULK
+#define MLAGEN_DST_BULK 0
+#endif
+
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -160,10 +173,10 @@ struct MlaDimSplitTConfig {
   // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
   // one step before the score warps need it, less than the DRAM latency (perf-notes v12b). fp8: the tile
   // kStages + 2 ahead (the e4m3 ring is copied about kConvStages - 1 steps before the score warps need a tile).
-  static constexpr int kL2PrefetchTiles = kKvFp8 ? kStages + 2 : kStages;
+  static constexpr int kL2PrefetchTiles = MLAGEN_DST_L2_PREFETCH == 0 ? 0 : kKvFp8 ? kStages + 2 : kStages;
   // The producer zero-fills the rows past kv_len of a request's last tile (src-size 0 copies) instead of the
   // prologue zeroing the whole ring (75 KB at 4 stages) before the first copy.
-  static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0;
+  static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0 && MLAGEN_DST_BULK == 0;
   // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
   // prefetch's page entries requested two tiles ahead.
   static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
@@ -254,7 +267,7 @@ struct MlaDimSplitTConfig {
   using PartialT = typename PartialElem<kPartialBf16>::type;
 
   // The producer (dimsplit_produce_bf16): 16-byte cp.async, one warp instruction per token's latent half.
-  static constexpr bool kBulkLoad = false;
+  static constexpr bool kBulkLoad = MLAGEN_DST_BULK != 0;
   static constexpr int kLoadBytes = 16;
   static constexpr int kLatentBytes = kLatentHalf * 2;
   static constexpr int kRopeBytes = kRopeHalf * 2;
@@ -281,6 +294,7 @@ struct MlaDimSplitTConfig {
   static_assert(!kKvFp8 || kBlockN == 32, "dimsplit_t fp8: block_n 32 (the e4m3 producer copies two tokens' latent "
                                           "halves per instruction, 16 tokens' rope halves)");
   static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
+  static_assert(!kBulkLoad || !kKvFp8, "dimsplit_t: the bulk producer (MLAGEN_DST_BULK) is bf16 only");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
@@ -335,7 +349,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   if (tid == 0) {
     for (int st = 0; st < Cfg::kConsStages; ++st) {
       // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
-      ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : 32);
+      ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : Cfg::kBulkLoad ? 1 : 32);
       ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kKvFp8) {

@@ -22,6 +22,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// MLAGEN_CP_ASYNC_CA 0 (every shipped build): 16-byte copies bypass L1 (.cg); 1: they allocate in L1 (.ca), a
+// diagnostic build for the L2 -> SM bytes of each form (perf-notes v25).
+#ifndef MLAGEN_CP_ASYNC_CA
+#define MLAGEN_CP_ASYNC_CA 0
+#endif
+
 // cp.async of kBytes (4, 8 or 16) global -> shared. src_bytes = 0 fills the destination with
 // zeros and reads nothing (PTX ISA: cp.async "src-size"), used for tokens past kv_len.
 template <int kBytes>
@@ -29,7 +35,7 @@ __device__ __forceinline__ void cp_async_zfill(void* smem_dst, const void* gmem_
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async size must be 4, 8 or 16 bytes");
   const uint32_t dst = smem_u32(smem_dst);
   const int src_bytes = valid ? kBytes : 0;
-  if constexpr (kBytes == 16) {
+  if constexpr (kBytes == 16 && MLAGEN_CP_ASYNC_CA == 0) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem_src), "n"(kBytes),
