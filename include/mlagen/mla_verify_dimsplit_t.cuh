@@ -87,10 +87,12 @@
 #define MLAGEN_DST_FP8_CONVERT 0
 #endif
 
-// MLAGEN_DST_L2_PREFETCH 1 (every shipped build): the producer prefetches into L2 the tile kStages ahead (perf-notes
-// v12b); 0: no L2 prefetch, for measuring its traffic and time (tools/l2_bytes.py --define, perf-notes v25).
+// MLAGEN_DST_L2_PREFETCH 2 (every shipped build): the producer prefetches into L2 the tile kStages ahead (perf-notes
+// v12b) except in bf16 builds of 3 score warps and at least 4 stages: there the builds without it took 0.944-1.004x
+// the time on an H200 (perf-notes v25); 1: in every build (v12b-v24); 0: in none. For A/B timing (tools/device_ab_define.py) and traffic
+// (tools/l2_bytes.py --define).
 #ifndef MLAGEN_DST_L2_PREFETCH
-#define MLAGEN_DST_L2_PREFETCH 1
+#define MLAGEN_DST_L2_PREFETCH 2
 #endif
 
 // MLAGEN_DST_BULK 0 (every shipped build): the producer's lanes copy a token's halves with 16-byte cp.async; 1: with
@@ -173,7 +175,11 @@ struct MlaDimSplitTConfig {
   // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
   // one step before the score warps need it, less than the DRAM latency (perf-notes v12b). fp8: the tile
   // kStages + 2 ahead (the e4m3 ring is copied about kConvStages - 1 steps before the score warps need a tile).
-  static constexpr int kL2PrefetchTiles = MLAGEN_DST_L2_PREFETCH == 0 ? 0 : kKvFp8 ? kStages + 2 : kStages;
+  // Not in bf16 builds of 3 score warps with 4 or more stages (MLAGEN_DST_L2_PREFETCH 2): there the copies start early
+  // enough without it, and the prefetch's page-entry loads and 5 instructions per token cost more (perf-notes v25).
+  static constexpr bool kL2Prefetch =
+      MLAGEN_DST_L2_PREFETCH == 1 || (MLAGEN_DST_L2_PREFETCH == 2 && (kKvFp8 || kStages < 4 || kRowTiles_ != 3));
+  static constexpr int kL2PrefetchTiles = !kL2Prefetch ? 0 : kKvFp8 ? kStages + 2 : kStages;
   // The producer zero-fills the rows past kv_len of a request's last tile (src-size 0 copies) instead of the
   // prologue zeroing the whole ring (75 KB at 4 stages) before the first copy.
   static constexpr bool kZeroFillTail = MLAGEN_DST_PROLOGUE == 0 && MLAGEN_DST_BULK == 0;
