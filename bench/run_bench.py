@@ -360,17 +360,18 @@ def _ncu_path() -> str | None:
 
 
 def parse_l2_json(stdout: str) -> dict:
-    """The row fields from tools/l2_bytes.py --json output (its last JSON line): l2_sm_per_kv and dram_per_kv
-    (bytes per KV byte, all kernels of one call), l2_kernels (per kernel: name, bytes, µs) and l2_kv_bytes; or
-    l2_error."""
+    """The row fields from tools/l2_bytes.py --json output (its last JSON line): l2_sm_per_kv, l2_read_per_kv and
+    dram_per_kv (bytes per KV byte, all kernels of one call: into the SMs over the crossbar, read from the L2 by the
+    SMs, read from DRAM; l2_read_per_kv is None in records of older tools), l2_kernels (per kernel: name, bytes, µs)
+    and l2_kv_bytes; or l2_error."""
     recs = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not recs:
         return dict(l2_error="no JSON line from tools/l2_bytes.py: " + stdout.strip()[-200:])
     rec = json.loads(recs[-1])
     if "error" in rec:
         return dict(l2_error=rec["error"])
-    return dict(l2_sm_per_kv=rec["l2_sm_per_kv"], dram_per_kv=rec["dram_per_kv"], l2_kernels=rec["kernels"],
-                l2_kv_bytes=rec["kv_bytes"])
+    return dict(l2_sm_per_kv=rec["l2_sm_per_kv"], l2_read_per_kv=rec.get("l2_read_per_kv"),
+                dram_per_kv=rec["dram_per_kv"], l2_kernels=rec["kernels"], l2_kv_bytes=rec["kv_bytes"])
 
 
 def measure_l2_bytes(uri: str, ctx: int, bs: int, ncu: str, timeout_s: float = 600) -> dict:
@@ -654,6 +655,7 @@ def _fmt(r: dict) -> str:
         s += f" | auto/best fixed (ns{r['best_fixed_nsplit']}) {r['auto_over_best_fixed']:.2f}"
     if r.get("l2_sm_per_kv") is not None:
         s += f" | L2->SM {r['l2_sm_per_kv']:.2f} B per KV B" + (
+            f" (read from L2 {r['l2_read_per_kv']:.2f})" if r.get("l2_read_per_kv") is not None else "") + (
             f" (DRAM {r['dram_per_kv']:.2f})" if r.get("dram_per_kv") is not None else "")
     elif "l2_error" in r:
         s += f" | L2->SM: {r['l2_error'][:80]}"
@@ -697,6 +699,8 @@ def _table(rows, sweep, fi_labels: dict | None = None) -> None:
                   "bytes per KV byte over all kernels of one call" + "".join(
                       f"; {k['name']} {k['l2_sm_bytes'] / r['l2_kv_bytes']:.2f}" for k in r.get("l2_kernels", [])
                       if k.get("l2_sm_bytes") is not None)
+                  + (f"; read from the L2 by the SMs {r['l2_read_per_kv']:.2f} (the crossbar bytes less the "
+                     "cluster's SM-to-SM exchange)" if r.get("l2_read_per_kv") is not None else "")
                   + (f"; DRAM reads {r['dram_per_kv']:.2f}" if r.get("dram_per_kv") is not None else ""))
     if sweep:
         print("\nNSPLIT sweep, H=8 q=9 bs=1 ps=1 (µs):")

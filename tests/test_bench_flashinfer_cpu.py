@@ -541,6 +541,9 @@ def test_run_bench_reads_the_l2_json_line(capsys):
     out = "==PROF== noise\n" + json.dumps(rec) + "\n"
     row = run_bench.parse_l2_json(out)
     assert row["l2_sm_per_kv"] == rec["l2_sm_per_kv"] and row["l2_kv_bytes"] == 75497472
+    assert row["l2_read_per_kv"] == rec["l2_read_per_kv"] == 2477000 * 32 / 75497472
+    old = {k: v for k, v in rec.items() if k != "l2_read_per_kv"}  # a record from the tool before the L2-side metric
+    assert run_bench.parse_l2_json(json.dumps(old))["l2_read_per_kv"] is None
     assert len(row["l2_kernels"]) == 2
     assert run_bench.parse_l2_json(json.dumps(dict(uri="URI", error="ncu exit 1, 0 kernels profiled"))) == dict(
         l2_error="ncu exit 1, 0 kernels profiled")
@@ -548,9 +551,10 @@ def test_run_bench_reads_the_l2_json_line(capsys):
     r = dict(H=8, q_len=9, bs=1, ctx=65536, page_size=1, mlagen_uri="mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_"
              "w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90", mlagen_us=54.4, gbs=1390.0, frac_floor=0.33, floor_us=18.0,
              **row)
-    assert "L2->SM 5.70 B per KV B (DRAM 1.02)" in run_bench._fmt(r)
+    assert "L2->SM 5.70 B per KV B (read from L2 1.05) (DRAM 1.02)" in run_bench._fmt(r)
     run_bench._table([r], [], None)
-    assert "L2 -> SM at H=8 q=9 bs=1 ctx=65536 ps=1" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "L2 -> SM at H=8 q=9 bs=1 ctx=65536 ps=1" in table and "read from the L2 by the SMs 1.05" in table
 
 
 def test_run_bench_finds_ncu_as_mlagen_finds_nvcc(tmp_path, monkeypatch):
