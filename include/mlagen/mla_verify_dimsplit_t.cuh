@@ -89,8 +89,8 @@
 
 // MLAGEN_DST_L2_PREFETCH 2 (every shipped build): the producer prefetches into L2 the tile kStages ahead (perf-notes
 // v12b) except in bf16 builds of 3 score warps and at least 4 stages: there the builds without it took 0.944-1.004x
-// the time on an H200 (perf-notes v25); 1: in every build (v12b-v24); 0: in none. For A/B timing (tools/device_ab_define.py) and traffic
-// (tools/l2_bytes.py --define).
+// the time on an H200 (perf-notes v25); 1: in every build (v12b-v24); 0: in none. For A/B timing
+// (tools/device_ab_define.py) and traffic (tools/l2_bytes.py --define).
 #ifndef MLAGEN_DST_L2_PREFETCH
 #define MLAGEN_DST_L2_PREFETCH 2
 #endif
@@ -175,8 +175,8 @@ struct MlaDimSplitTConfig {
   // warps (K) and then the output warps (V) for about two steps, so with 3 stages a copy is issued only about
   // one step before the score warps need it, less than the DRAM latency (perf-notes v12b). fp8: the tile
   // kStages + 2 ahead (the e4m3 ring is copied about kConvStages - 1 steps before the score warps need a tile).
-  // Not in bf16 builds of 3 score warps with 4 or more stages (MLAGEN_DST_L2_PREFETCH 2): there the copies start early
-  // enough without it, and the prefetch's page-entry loads and 5 instructions per token cost more (perf-notes v25).
+  // Not in bf16 builds of 3 score warps with 4 or more stages (MLAGEN_DST_L2_PREFETCH 2): with the 4th stage (v13) and
+  // the page entries two tiles ahead (v16) the copies start early enough, and the prefetch measured slower (v25).
   static constexpr bool kL2Prefetch =
       MLAGEN_DST_L2_PREFETCH == 1 || (MLAGEN_DST_L2_PREFETCH == 2 && (kKvFp8 || kStages < 4 || kRowTiles_ != 3));
   static constexpr int kL2PrefetchTiles = !kL2Prefetch ? 0 : kKvFp8 ? kStages + 2 : kStages;
