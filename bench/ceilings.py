@@ -17,6 +17,9 @@ Measured on the GPU (need torch + CUDA; mma also needs nvcc + pybind11):
     copy_bandwidth_gbs(device, nbytes=2<<30)  GB/s (1e9), read+write bytes counted
     mma_sync_tflops()                          TFLOP/s (1e12) of mma.sync m16n8k16 bf16
                                                (bench/mma_probe.cu; ~630-640 on H200)
+    mma_sync_stream_table()                    the rate of 1-8 warps per scheduler with 1-12
+                                               independent accumulators each, A from registers or
+                                               ldmatrix (python3 bench/ceilings.py --mma-streams)
 """
 
 from __future__ import annotations
@@ -113,11 +116,14 @@ def build_mma_probe(arch: tuple[int, int] | None = None, build_dir: str | None =
 
 
 def mma_sync_tflops(iters: int = 16384, threads: int = 256, ctas_per_sm: int = 4,
-                    reps: int = 7) -> float:
+                    reps: int = 7, chains: int | None = None, ldsm: bool = False) -> float:
     """Sustained TFLOP/s (1e12) of mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32:
-    (threads/32) warps per CTA, ctas_per_sm * SMs CTAs, each warp iters*NACC mmas
-    on random bf16 fragments loaded from global.  Median of `reps` launches
-    timed with CUDA events after 2 warm-ups.  Raises RuntimeError on failure."""
+    (threads/32) warps per CTA, ctas_per_sm * SMs CTAs, each warp iters*chains mmas
+    (chains independent accumulators, default NACC = 8; ldsm: A fragments from shared
+    memory by ldmatrix.x4 each round, one per two chains) on random bf16 fragments
+    loaded from global.  Median of `reps` launches timed with CUDA events after 2
+    warm-ups.  Raises RuntimeError on failure (no GPU, nvcc error, non-finite output)
+    and ValueError (from the extension) for an unsupported chains / ldsm pair."""
     try:
         import torch
     except Exception as e:  # noqa: BLE001
@@ -125,6 +131,7 @@ def mma_sync_tflops(iters: int = 16384, threads: int = 256, ctas_per_sm: int = 4
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU visible to torch")
     ext = build_mma_probe()
+    chains = ext.NACC if chains is None else chains
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = sms * ctas_per_sm
@@ -135,7 +142,7 @@ def mma_sync_tflops(iters: int = 16384, threads: int = 256, ctas_per_sm: int = 4
     sp = stream.cuda_stream
 
     def launch():
-        ext.launch(inp.data_ptr(), words, out.data_ptr(), blocks, threads, iters, sp)
+        ext.launch(inp.data_ptr(), words, out.data_ptr(), blocks, threads, iters, sp, chains, ldsm)
 
     for _ in range(2):
         launch()
@@ -150,8 +157,32 @@ def mma_sync_tflops(iters: int = 16384, threads: int = 256, ctas_per_sm: int = 4
     ms = statistics.median(a.elapsed_time(b) for a, b in evs)
     if not torch.isfinite(out).all():
         raise RuntimeError("mma_probe produced non-finite results")
-    flop = blocks * (threads // 32) * iters * ext.NACC * ext.FLOP_PER_MMA
+    flop = blocks * (threads // 32) * iters * chains * ext.FLOP_PER_MMA
     return flop / (ms * 1e-3) / 1e12
+
+
+def mma_sync_stream_table(warps_per_scheduler=(1, 2, 3, 4), chains=(1, 2, 3, 4, 6, 8, 12),
+                          iters: int = 8192, report=None) -> list[dict]:
+    """The mma.sync rate a few dependent instruction streams reach: one CTA per SM of
+    4 x w warps (w per scheduler, at most 4: 512 threads), each warp `chains` independent
+    accumulators, A in registers and (even chains) A by ldmatrix.  Rows: {'warps_per_scheduler',
+    'chains', 'ldsm', 'tflops', 'fraction'} with fraction = tflops / the NACC = 8,
+    32-warps-per-SM rate of mma_sync_tflops() measured first; `report(row)` is called with
+    each row as it is measured.  Raises RuntimeError as mma_sync_tflops, ValueError for w > 4."""
+    if any(not 1 <= w <= 4 for w in warps_per_scheduler):
+        raise ValueError("warps_per_scheduler must be in [1, 4] (one CTA of at most 512 threads per SM)")
+    peak = mma_sync_tflops()
+    rows = []
+    for w in warps_per_scheduler:
+        for c in chains:
+            for lds in (False, True):
+                if lds and c % 2:
+                    continue
+                t = mma_sync_tflops(iters=iters, threads=128 * w, ctas_per_sm=1, chains=c, ldsm=lds)
+                rows.append(dict(warps_per_scheduler=w, chains=c, ldsm=lds, tflops=t, fraction=t / peak))
+                if report is not None:
+                    report(rows[-1])
+    return [dict(peak_tflops=peak)] + rows
 
 
 def measure_ceilings(device=None) -> dict:
@@ -171,4 +202,12 @@ def measure_ceilings(device=None) -> dict:
 
 if __name__ == "__main__":
     import json
-    print(json.dumps(measure_ceilings(), indent=1))
+    if sys.argv[1:] == ["--mma-streams"]:
+        print("| warps per scheduler | chains per warp | A from | TFLOP/s | fraction of the 32-warp rate |")
+        print("|---|---|---|---|---|")
+        table = mma_sync_stream_table(report=lambda r: print(
+            f"| {r['warps_per_scheduler']} | {r['chains']} | {'ldmatrix' if r['ldsm'] else 'registers'} | "
+            f"{r['tflops']:.1f} | {r['fraction']:.3f} |", flush=True))
+        print(f"mma.sync m16n8k16 bf16, 32 warps per SM x 8 chains: {table[0]['peak_tflops']:.1f} TFLOP/s")
+    else:
+        print(json.dumps(measure_ceilings(), indent=1))

@@ -17,6 +17,7 @@ Several --define options are zipped: build i gets the i-th value of each (all mu
         --define MLAGEN_DST_PARTIAL_BF16=0,0,0 --atol 0.0625
         # the merge code built but unused, and used (its fp32 sums run in another order; the merge reads fp32 partials)
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PARTIAL_BF16=0,1 --atol 0.0625  # fp32 vs bf16 partials
+    python3 tools/device_ab_define.py URI_st4 --variants URI_st6,URI_st8  # deeper rings (this GPU's smem limit)
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown
 table: shape, µs per build (median of --rounds CUDA-graph medians), and each build's ratio to the first.
@@ -53,8 +54,12 @@ def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("uri")
-    ap.add_argument("--define", required=True, action="append",
+    ap.add_argument("--define", action="append", default=[],
                     help="NAME=v1,v2[,...]: the builds to compare (the first is the base); repeated: zipped")
+    ap.add_argument("--variants", default="",
+                    help="URI[,URI...]: further builds of other tiles of the same shape fields (e.g. another stage "
+                    "count; built for this GPU's arch only, so its shared-memory limit applies), each with the first "
+                    "build's defines")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--rounds", type=int, default=3)
@@ -67,10 +72,15 @@ def main() -> int:
                     help="compile the builds and stop (a later run with the same arguments reuses them)")
     a = ap.parse_args()
     defs = []
+    extra = [u for u in a.variants.split(",") if u]
+    if not a.define and not extra:
+        sys.exit("give --define NAME=v1,v2[,...] and / or --variants URI[,...]")
+    if not a.define:
+        a.define = ["AB_BASE=0"]  # (one build of URI, a define nothing reads)
     for d in a.define:
         name, _, vals = d.partition("=")
         vals = [x for x in vals.split(",") if x]
-        if not name or len(vals) < 2:
+        if not name or len(vals) < (1 if extra else 2):
             sys.exit("--define takes NAME=v1,v2[,...]")
         defs.append((name, vals))
     if len({len(vals) for _, vals in defs}) != 1:
@@ -91,12 +101,22 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(len(values), os.cpu_count() or 1)) as pool:
-        built = list(pool.map(lambda b: build(v, b, out_dir), builds))
+    # (variant, defines) per build: URI at each define value, then each --variants URI with the first value's defines
+    plan = [(v, b) for b in builds]
+    for u in extra:
+        vx = dataclasses.replace(Variant.from_uri(u), archs=(f"sm_{major}{minor}",))
+        if (vx.heads, vx.q_len, vx.page_size, vx.mask, vx.dtype) != (v.heads, v.q_len, v.page_size, v.mask, v.dtype):
+            sys.exit(f"--variants {u}: heads, q_len, page_size, mask and dtype must be those of {a.uri}")
+        plan.append((vx, builds[0]))
+        values.append(u)
+    if extra:
+        name = "build"
+    with ThreadPoolExecutor(max_workers=min(len(plan), os.cpu_count() or 1)) as pool:
+        built = list(pool.map(lambda vb: build(vb[0], vb[1], out_dir), plan))
     if a.build_only:
         print(f"built {len(built)} builds of {a.uri} in {out_dir}")
         return 0
-    kernels = [VerifyKernel(v, so, mod) for mod, so in built]
+    kernels = [VerifyKernel(vb[0], so, mod) for vb, (mod, so) in zip(plan, built)]
     if a.fused_merge:
         flags = a.fused_merge.split(",")
         if len(flags) != len(kernels) or any(f not in ("0", "1") for f in flags):
@@ -135,6 +155,11 @@ def main() -> int:
                 times[(i, s)].append(bench_kernel(kernels[i], shape, seed=rnd)["median_us"])
     print(f"\n{a.uri} on {torch.cuda.get_device_name()}: {name} = {', '.join(values)} (median of {a.rounds} rounds)")
     label = (lambda x: f"{name}={x}") if len(defs) == 1 else (lambda x: x)
+    if extra:  # long URIs: columns b0, b1, ... and a legend
+        for i, x in enumerate(values):
+            print(f"b{i}: {x}")
+        values = [f"b{i}" for i in range(len(values))]
+        label = lambda x: x  # noqa: E731
     print("| bs | ctx | " + " | ".join(f"{label(x)} µs" for x in values) + " | " +
           " | ".join(f"{label(x)} / first" for x in values[1:]) + " |")
     print("|---|---|" + "---|" * (2 * len(values) - 1))
