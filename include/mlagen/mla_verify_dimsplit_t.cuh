@@ -95,6 +95,13 @@
 #define MLAGEN_DST_L2_PREFETCH 2
 #endif
 
+// MLAGEN_DST_HALF_K 9 (every shipped build): a score step's K steps before the peer's half of the previous step's scores is
+// received (the rest carry that step's softmax, its 9 pieces spread evenly over them); other values move the receive
+// later (more of the exchange's latency hidden, the softmax packed into fewer K steps) or earlier, for A/B timing.
+#ifndef MLAGEN_DST_HALF_K
+#define MLAGEN_DST_HALF_K 9
+#endif
+
 // MLAGEN_DST_BULK 0 (every shipped build): the producer's lanes copy a token's halves with 16-byte cp.async; 1: with
 // two cp.async.bulk per token (dimsplit's bulk producer: one expect_tx arrival per stage, the ring zeroed up front),
 // bf16 only, for measuring the L2 -> SM bytes and time of each copy form (perf-notes v25).
@@ -596,8 +603,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
     // With kMaskPeel the steps whose keys are all prefix keys run in a loop of their own, compiled without the
     // masking code, so the two halves of its body are contiguous in the instruction stream.
-    constexpr int kHalfK = Cfg::kKSteps / 2;
-    static_assert(Cfg::kKSteps - kHalfK >= 3 * Cfg::kNTilesS, "the second half's K steps carry the softmax's 9 pieces");
+    constexpr int kHalfK = MLAGEN_DST_HALF_K < Cfg::kKSteps ? MLAGEN_DST_HALF_K : Cfg::kKSteps / 2;
+    constexpr int kSecondK = Cfg::kKSteps - kHalfK;  // K steps that carry the softmax's 3 kNTilesS pieces
+    constexpr int kPieces = 3 * Cfg::kNTilesS;       // per n8 tile: the two rows' softmax, then its P^T and factors
+    static_assert(kHalfK >= 1 && kSecondK >= 1, "MLAGEN_DST_HALF_K: both halves of a score step need a K step");
     Acc s_cur, s_next, s_odd;
     wait_full(0);
     zero_acc(s_cur, s_odd);
@@ -617,12 +626,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       for (int ks = 0; ks < kHalfK; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
       receive_and_mask(j, s_cur, kMaskMode);
 #pragma unroll
-      for (int i = 0; i < Cfg::kKSteps - kHalfK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
+      for (int i = 0; i < kSecondK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
         mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
-        if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
-        if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
-          const int nt = i - 2 * Cfg::kNTilesS;
-          write_p(j, s_cur, nt, alpha[nt]);
+#pragma unroll
+        for (int pc = 0; pc < kPieces; ++pc) {  // piece pc after K step pc * kSecondK / kPieces (shipped: one per K step)
+          if (pc * kSecondK / kPieces != i) continue;
+          if (pc < 2 * Cfg::kNTilesS) softmax_row(s_cur, pc / 2, pc % 2, alpha[pc / 2][pc % 2]);
+          if (pc >= 2 * Cfg::kNTilesS) write_p(j, s_cur, pc - 2 * Cfg::kNTilesS, alpha[pc - 2 * Cfg::kNTilesS]);
         }
       }
       join_chains(s_next, s_odd);
