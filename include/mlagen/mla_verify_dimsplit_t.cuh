@@ -603,7 +603,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
     // With kMaskPeel the steps whose keys are all prefix keys run in a loop of their own, compiled without the
     // masking code, so the two halves of its body are contiguous in the instruction stream.
-    constexpr int kHalfK = MLAGEN_DST_HALF_K < Cfg::kKSteps ? MLAGEN_DST_HALF_K : Cfg::kKSteps / 2;
+    constexpr int kHalfK = MLAGEN_DST_HALF_K == 9 || MLAGEN_DST_HALF_K >= Cfg::kKSteps ? Cfg::kKSteps / 2 : MLAGEN_DST_HALF_K;
     constexpr int kSecondK = Cfg::kKSteps - kHalfK;  // K steps that carry the softmax's 3 kNTilesS pieces
     constexpr int kPieces = 3 * Cfg::kNTilesS;       // per n8 tile: the two rows' softmax, then its P^T and factors
     static_assert(kHalfK >= 1 && kSecondK >= 1, "MLAGEN_DST_HALF_K: both halves of a score step need a K step");
@@ -628,11 +628,19 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 #pragma unroll
       for (int i = 0; i < kSecondK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
         mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
+        if constexpr (kSecondK == kPieces) {  // shipped: piece i after K step i
+          if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
+          if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
+            const int nt = i - 2 * Cfg::kNTilesS;
+            write_p(j, s_cur, nt, alpha[nt]);
+          }
+        } else {  // MLAGEN_DST_HALF_K: piece pc after K step pc * kSecondK / kPieces
 #pragma unroll
-        for (int pc = 0; pc < kPieces; ++pc) {  // piece pc after K step pc * kSecondK / kPieces (shipped: one per K step)
-          if (pc * kSecondK / kPieces != i) continue;
-          if (pc < 2 * Cfg::kNTilesS) softmax_row(s_cur, pc / 2, pc % 2, alpha[pc / 2][pc % 2]);
-          if (pc >= 2 * Cfg::kNTilesS) write_p(j, s_cur, pc - 2 * Cfg::kNTilesS, alpha[pc - 2 * Cfg::kNTilesS]);
+          for (int pc = 0; pc < kPieces; ++pc) {
+            if (pc * kSecondK / kPieces != i) continue;
+            if (pc < 2 * Cfg::kNTilesS) softmax_row(s_cur, pc / 2, pc % 2, alpha[pc / 2][pc % 2]);
+            if (pc >= 2 * Cfg::kNTilesS) write_p(j, s_cur, pc - 2 * Cfg::kNTilesS, alpha[pc - 2 * Cfg::kNTilesS]);
+          }
         }
       }
       join_chains(s_next, s_odd);
