@@ -102,6 +102,16 @@
 #define MLAGEN_DST_HALF_K 9
 #endif
 
+// MLAGEN_DST_PBUFS 2 (every shipped build): P^T buffers; MLAGEN_DST_XBUFS 0 (every shipped build): score exchange buffers
+// chosen by what fits in sm_120's 99 KB (two, else one), 1 or 2 forces the count (a build whose shared memory exceeds its
+// archs' limit fails to compile). For A/B timing of the exchange's handshake and the P^T buffers (perf-notes v26).
+#ifndef MLAGEN_DST_PBUFS
+#define MLAGEN_DST_PBUFS 2
+#endif
+#ifndef MLAGEN_DST_XBUFS
+#define MLAGEN_DST_XBUFS 0
+#endif
+
 // MLAGEN_DST_BULK 0 (every shipped build): the producer's lanes copy a token's halves with 16-byte cp.async; 1: with
 // two cp.async.bulk per token (dimsplit's bulk producer: one expect_tx arrival per stage, the ring zeroed up front),
 // bf16 only, for measuring the L2 -> SM bytes and time of each copy form (perf-notes v25).
@@ -249,7 +259,8 @@ struct MlaDimSplitTConfig {
   // Two P^T buffers: a score warp writes P^T of sub-tile j once the output warps are done with j - 2, so while
   // it computes j + 1 the output warps may still hold j - 2 .. j (perf-notes v11: three buffers measured the
   // same).
-  static constexpr int kPBufs = 2;
+  static constexpr int kPBufs = MLAGEN_DST_PBUFS;
+  static_assert(kPBufs == 1 || kPBufs == 2, "MLAGEN_DST_PBUFS must be 1 or 2");
   static constexpr int kPRowElems = (kRowsPerCta * 2 / 16) % 2 == 1 ? kRowsPerCta : kRowsPerCta + 8;
   static constexpr int kPBufElems = kSubTile * kPRowElems;
   static constexpr int kSmemP = kPBufs * kPBufElems * 2;
@@ -267,7 +278,8 @@ struct MlaDimSplitTConfig {
   static constexpr int kSmemWithTwoXBufs =
       kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
       dimsplit_t_num_bars(2, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars) * 8;
-  static constexpr int kXBufs = kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
+  static constexpr int kXBufs = MLAGEN_DST_XBUFS != 0 ? MLAGEN_DST_XBUFS : kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
+  static_assert(kXBufs == 1 || kXBufs == 2, "MLAGEN_DST_XBUFS must be 0, 1 or 2");
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
   static constexpr int kNumBars = dimsplit_t_num_bars(kXBufs, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars);
