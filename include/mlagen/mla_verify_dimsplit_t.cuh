@@ -95,11 +95,12 @@
 #define MLAGEN_DST_L2_PREFETCH 2
 #endif
 
-// MLAGEN_DST_HALF_K 9 (every shipped build): a score step's K steps before the peer's half of the previous step's scores is
-// received (the rest carry that step's softmax, its 9 pieces spread evenly over them); other values move the receive
-// later (more of the exchange's latency hidden, the softmax packed into fewer K steps) or earlier, for A/B timing.
+// MLAGEN_DST_HALF_K 0 (every shipped build): a score step runs this many of its 18 K steps before it receives the peer's
+// half of the previous step's scores; the rest carry that step's softmax, its 9 pieces spread evenly over them. 0: 4 in
+// bf16 builds of 3 score warps and at least 4 stages (perf-notes v26: 0.937-1.003x the time of 9 on an H200, outputs
+// bit-identical), 9 (v12-v25: one piece per K step) in the others; 1-17 force it, for A/B timing.
 #ifndef MLAGEN_DST_HALF_K
-#define MLAGEN_DST_HALF_K 9
+#define MLAGEN_DST_HALF_K 0
 #endif
 
 // MLAGEN_DST_PBUFS 2 (every shipped build): P^T buffers; MLAGEN_DST_XBUFS 0 (every shipped build): score exchange buffers
@@ -615,10 +616,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
     // With kMaskPeel the steps whose keys are all prefix keys run in a loop of their own, compiled without the
     // masking code, so the two halves of its body are contiguous in the instruction stream.
-    constexpr int kHalfK = MLAGEN_DST_HALF_K == 9 || MLAGEN_DST_HALF_K >= Cfg::kKSteps ? Cfg::kKSteps / 2 : MLAGEN_DST_HALF_K;
+    constexpr int kHalfK = MLAGEN_DST_HALF_K == 0 ? (!Cfg::kKvFp8 && Cfg::kRowTiles == 3 && Cfg::kStages >= 4 ? 4 : 9)
+                         : MLAGEN_DST_HALF_K;
+    static_assert(Cfg::kKSteps == 18, "dimsplit_t: 18 K steps per CTA (kv_lora_rank 512, qk_rope_head_dim 64)");
     constexpr int kSecondK = Cfg::kKSteps - kHalfK;  // K steps that carry the softmax's 3 kNTilesS pieces
     constexpr int kPieces = 3 * Cfg::kNTilesS;       // per n8 tile: the two rows' softmax, then its P^T and factors
-    static_assert(kHalfK >= 1 && kSecondK >= 1, "MLAGEN_DST_HALF_K: both halves of a score step need a K step");
+    static_assert(kHalfK >= 1 && kSecondK >= 1, "MLAGEN_DST_HALF_K: 1..17 (both parts of a score step need a K step)");
     Acc s_cur, s_next, s_odd;
     wait_full(0);
     zero_acc(s_cur, s_odd);
@@ -640,13 +643,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 #pragma unroll
       for (int i = 0; i < kSecondK; ++i) {  // one basic block: MMAs of j + 1, softmax of j
         mma_kstep(j + 1, kHalfK + i, s_next, s_odd);
-        if constexpr (kSecondK == kPieces) {  // shipped: piece i after K step i
+        if constexpr (kSecondK == kPieces) {  // (9 + 9: piece i after K step i)
           if (i < 2 * Cfg::kNTilesS) softmax_row(s_cur, i / 2, i % 2, alpha[i / 2][i % 2]);
           if (i >= 2 * Cfg::kNTilesS && i < 3 * Cfg::kNTilesS) {
             const int nt = i - 2 * Cfg::kNTilesS;
             write_p(j, s_cur, nt, alpha[nt]);
           }
-        } else {  // MLAGEN_DST_HALF_K: piece pc after K step pc * kSecondK / kPieces
+        } else {  // piece pc after K step pc * kSecondK / kPieces
 #pragma unroll
           for (int pc = 0; pc < kPieces; ++pc) {
             if (pc * kSecondK / kPieces != i) continue;
