@@ -13,7 +13,7 @@
 //                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
 //                  P^T (bf16, [tokens][rows]) and each
 //                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers). The
-//                  softmax of step j runs inside the second half of step j + 1's K steps (one basic block).
+//                  softmax of step j runs inside the last K steps of step j + 1 (one basic block; kHalfK).
 //   O^T = V^T P^T  m16 = 16 output dims, n8 = rows, k16 = tokens. Output warp o owns 64 of the CTA's 256
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
@@ -607,8 +607,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
     };
 
-    // Software pipeline, per sub-tile j: the first half of the next sub-tile's K steps (j + 1), then S of j
-    // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the second half of
+    // Software pipeline, per sub-tile j: the first kHalfK of the next sub-tile's K steps (j + 1), then S of j
+    // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the rest of
     // j + 1's K steps with the softmax of j interleaved in one basic block (the MMAs of j + 1 do not depend
     // on the softmax of j, so the scheduler fills the tensor pipe's gaps with the softmax's shuffles, ex2 and
     // stores), then j + 1 goes to the peer. Exchange buffer reuse: with two buffers, this warp sends j + 1 into
@@ -631,7 +631,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     send_scores(0, s_cur);
     using Unmasked = std::integral_constant<int, 0>;  // receive_and_mask's kMaskMode: no masking code
     using Tested = std::integral_constant<int, 1>;    // the step's keys tested at run time
-    // Step j < num_sub - 1 (after release_stage(j)): the first half of j + 1's K steps, S of j, then the second half
+    // Step j < num_sub - 1 (after release_stage(j)): the first kHalfK of j + 1's K steps, S of j, then the rest
     // with the softmax of j.
     auto score_step = [&](int j, auto kMaskMode) {
       float alpha[Cfg::kNTilesS][2];
