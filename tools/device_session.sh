@@ -19,7 +19,7 @@
 #         parallel ≈ 6.5 min; then, a second call,
 #   dst_bench: [KERNELS=globs K64=glob] the small-grid bench with FlashInfer's and the L2 -> SM columns, the same at
 #         sm_120 occupancy, the page-size-64 rows H8 bs1 64k and H64 bs4 16k, backend_step if .whl is carried
-#         (.whl_fi) ≈ 4.5 min.
+#         (.whl_fi) ≈ 8.5 min (the tiles build in ~4 of them).
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
@@ -129,14 +129,14 @@ elif [ "$MODE" = dst_bench ]; then
   # the second call (carry .whl_fi; with .whl too, backend_step runs): the small-grid bench at page size 1 with
   # FlashInfer's columns and the L2 -> SM column (KERNELS), the same tiles at sm_120 occupancy (mlagen only), the
   # issue's two page-size-64 rows (H8 bs1 64k, H64 bs4 16k) with FlashInfer's columns, then bench/backend_step.py
-  # when SGLang imports (~4.5 min without it on an H200)
+  # when SGLang imports (~8.5 min without it on an H200, ~4 of them building)
   KERNELS=${KERNELS:-$RELEASE_KERNELS}
   K64=${K64:-*_lw128_bn32_w8_rt3_st4_dimsplit_t_*}
   P8="--grid small --heads 8 --batches 1 --contexts 65536 --page-sizes 64"
   P64="--grid full --heads 64 --batches 4 --contexts 16384 --page-sizes 64"
   step bench_build_ps64 230 sh -c "python3 bench/run_bench.py $P8 --build-only --kernels '$K64' &&
     python3 bench/run_bench.py $P64 --build-only --kernels '$K64'" &
-  step bench_build 230 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
+  step bench_build 300 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
   step bench_native "${BENCH_LIMIT:-260}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --kernels "$KERNELS" --out "$OUT/native"
