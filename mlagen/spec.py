@@ -25,6 +25,7 @@ class SpecError(ValueError):
 
 MESSAGE_VALUE_LIMIT = 200  # characters of a bad value quoted in a message
 MAX_VARIANTS = 512  # larger sweeps need an explicit limit (mlagen --max-variants N)
+DISTINCT_COUNT_LIMIT = 1_000_000  # sweeps up to this many combinations in all are counted without their duplicates
 
 
 def short_repr(value: Any, limit: int = MESSAGE_VALUE_LIMIT) -> str:
@@ -255,20 +256,39 @@ class Spec:
             total += n
         return total
 
+    def n_distinct_variants(self) -> int | None:
+        """How many distinct variants the sweeps yield (one that two sweeps both yield counts once, as
+        :meth:`variants` lists it), from the value combinations alone (no Variant is built); ``None`` when the
+        sweeps hold more than :data:`DISTINCT_COUNT_LIMIT` combinations in all (then only :attr:`n_variants`)."""
+        sweeps = self._sweeps()
+        if len(sweeps) == 1:
+            return self.n_variants  # one product of duplicate-free lists: no duplicates
+        if self.n_variants > DISTINCT_COUNT_LIMIT:
+            return None
+        keys = list(PARAMS)
+        return len({combo for values in sweeps for combo in itertools.product(*(values[k] for k in keys))})
+
     def check_size(self, limit: int | None = None) -> None:
-        """Refuse a sweep of more than ``limit`` (default :data:`MAX_VARIANTS`) variants.
+        """Refuse a sweep of more than ``limit`` (default :data:`MAX_VARIANTS`) distinct variants. Sweeps of
+        more than :data:`DISTINCT_COUNT_LIMIT` combinations in all are counted with their duplicates.
 
         Raises:
             SpecError: naming the count, the swept keys and how to allow it.
         """
         limit = MAX_VARIANTS if limit is None else limit
         n = self.n_variants
-        if n > limit:
-            parts = [" x ".join(f"{k} {len(values[k])}" for k in PARAMS if len(values[k]) > 1) or "1"
-                     for values in self._sweeps()]
-            dims = parts[0] if len(parts) == 1 else " + ".join(f"({p})" for p in parts)
-            raise SpecError(f"spec {self.name} sweeps {n:,} variants ({dims}), more than the limit of {limit:,}: "
-                            f"narrow its lists, or allow it with --max-variants {n}")
+        if n <= limit:
+            return
+        distinct = self.n_distinct_variants()
+        if distinct is not None and distinct <= limit:
+            return
+        parts = [" x ".join(f"{k} {len(values[k])}" for k in PARAMS if len(values[k]) > 1) or "1"
+                 for values in self._sweeps()]
+        dims = parts[0] if len(parts) == 1 else " + ".join(f"({p})" for p in parts)
+        count = n if distinct is None else distinct
+        extra = "" if distinct is None or distinct == n else f", {n:,} before the duplicates across sweeps are dropped"
+        raise SpecError(f"spec {self.name} sweeps {count:,} variants ({dims}{extra}), more than the limit of "
+                        f"{limit:,}: narrow its lists, or allow it with --max-variants {count}")
 
     def variants(self) -> list[Variant]:
         """Cartesian product of all value lists, in spec order, one sweep after the other; a variant that two

@@ -356,9 +356,34 @@ def test_sweeps_share_the_top_level_keys_and_join_their_variants():
     with pytest.raises(SpecError, match=r"spec key 'q_len' is required \(at the top level or in every sweep; "
                                         r"sweeps\[1\] lacks it\)"):
         parse_spec(dict(heads_per_rank=8, sweeps=[dict(q_len=9), dict(mask="causal")]))
-    with pytest.raises(SpecError, match=r"sweeps 10 variants \(\(page_size 2 x row_tiles 2\) \+ "
-                       r"\(page_size 2 x stages 2\) \+ \(page_size 2\)\), more than the limit of 9"):
-        spec.check_size(9)
+    # the size limit counts distinct variants: 10 combinations, 8 variants
+    assert spec.n_distinct_variants() == 8
+    spec.check_size(8)
+    with pytest.raises(SpecError, match=r"sweeps 8 variants \(\(page_size 2 x row_tiles 2\) \+ "
+                       r"\(page_size 2 x stages 2\) \+ \(page_size 2\), 10 before the duplicates across sweeps are "
+                       r"dropped\), more than the limit of 7: narrow its lists, or allow it with --max-variants 8$"):
+        spec.check_size(7)
+
+
+def test_distinct_count_matches_the_variants_and_stops_at_its_limit(monkeypatch):
+    """n_distinct_variants counts what variants() lists, for random overlapping sweeps; past
+    DISTINCT_COUNT_LIMIT combinations the limit falls back to the count with duplicates."""
+    import random
+    import mlagen.spec as spec_mod
+    rng = random.Random()
+    for _ in range(20):
+        sweeps = [dict(stages=rng.sample([2, 3, 4], rng.randint(1, 3)), page_size=rng.sample([1, 16, 64], rng.randint(1, 3)),
+                       nsplit=rng.sample([16, 32, "auto"], rng.randint(1, 3))) for _ in range(rng.randint(2, 4))]
+        spec = parse_spec(dict(BASE, sweeps=sweeps))
+        assert spec.n_distinct_variants() == len(spec.variants()) <= spec.n_variants, sweeps
+    spec = parse_spec(dict(BASE, sweeps=[dict(stages=[2, 3]), dict(stages=[2, 3])]))
+    assert spec.n_variants == 4 and spec.n_distinct_variants() == 2
+    spec.check_size(2)
+    monkeypatch.setattr(spec_mod, "DISTINCT_COUNT_LIMIT", 3)
+    assert spec.n_distinct_variants() is None
+    with pytest.raises(SpecError, match=r"sweeps 4 variants \(\(stages 2\) \+ \(stages 2\)\), more than the limit of 2: "
+                                        r"narrow its lists, or allow it with --max-variants 4$"):
+        spec.check_size(2)
 
 
 @pytest.mark.parametrize("sweeps, message", [
