@@ -1,0 +1,233 @@
+"""Static issue view of a variant's loops, from its SASS (no GPU): what one warp's instruction stream costs per
+iteration before any other warp or memory gets in the way.
+
+    python3 tools/sass_issue.py URI [--arch sm_90|sm_120] [--define NAME=VALUE ...] [--min-hmma 20] [--sass FILE]
+        [--cuobjdump PATH]
+
+Compiles the variant (``#define`` lines ahead of the rendered module, as tools/device_ab_define.py does) to a cubin
+for one arch, disassembles it with cuobjdump, finds every loop of the partial kernel (a branch back to an earlier
+address) that holds at least --min-hmma HMMA instructions, and prints per loop:
+
+- instructions, HMMA / LDSM / SHFL / MUFU / STS counts;
+- the sum of the stall counts ptxas wrote into the control bits (the cycles the warp waits after each instruction
+  before issuing its next one; bits 41-44 of the second 64-bit word, as decoded by the open Volta-and-later SASS
+  encoders, e.g. Jia et al., "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018): the
+  loop's shortest issue time for one warp alone;
+- a single-warp scoreboard model: each instruction also waits for the scoreboards in its wait mask, which a
+  variable-latency instruction (LDSM, LDS, SHFL, MUFU, ...) releases LATENCY cycles after it issues (assumed
+  latencies below, not measured); barrier waits succeed at once, and a branch inside the loop is taken as not taken;
+- the shared-memory bytes its ldmatrix instructions read per iteration (x4: 512 B, x2: 256 B per warp).
+
+These are lower bounds for one warp; a measured step (docs/perf-notes.md) adds the other warps of the scheduler
+(tensor pipe and issue slots), the shared-memory pipe of the SM and every wait. --sass FILE writes the whole
+disassembly. Needs nvcc and cuobjdump (next to nvcc, or on PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlagen.codegen import render_variant  # noqa: E402
+from mlagen.ninja_gen import nvcc_flags, nvcc_path  # noqa: E402
+from mlagen.spec import Variant  # noqa: E402
+
+# Assumed result latencies (cycles) of variable-latency instructions, for the scoreboard model only.
+LATENCY = {"LDSM": 33, "LDS": 30, "SHFL": 26, "MUFU": 22, "S2R": 25, "S2UR": 25, "LDC": 25, "LDG": 600,
+           "SYNCS": 30, "VOTE": 6, "F2FP": 6, "STAS": 30, "STS": 20, "BAR": 20}
+DEFAULT_LATENCY = 10
+READ_RELEASE = 15  # cycles after issue at which an instruction's read scoreboard (source registers) is released
+
+_INS_RE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/")
+_HI_RE = re.compile(r"/\* (0x[0-9a-f]+) \*/")
+_PRED_RE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def parse_sass(text: str, function_substr: str) -> list[dict]:
+    """Instructions of the first function whose name contains ``function_substr`` in cuobjdump -sass ``text``:
+    dicts with addr, text, op (opcode without predicate), stall, yield_, wbar, rbar, wait (mask)."""
+    out, inside = [], False
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "Function :" in line:
+            if inside:
+                break
+            inside = function_substr in line
+            continue
+        if not inside:
+            continue
+        m = _INS_RE.match(line)
+        if not m or i + 1 >= len(lines):
+            continue
+        hi_m = _HI_RE.search(lines[i + 1])
+        if not hi_m:
+            continue
+        hi = int(hi_m.group(1), 16)
+        body = m.group(2).strip()
+        out.append(dict(addr=int(m.group(1), 16), text=body, op=_PRED_RE.sub("", body).split()[0],
+                        stall=(hi >> 41) & 0xF, yield_=(hi >> 45) & 1, wbar=(hi >> 46) & 7, rbar=(hi >> 49) & 7,
+                        wait=(hi >> 52) & 0x3F))
+    return out
+
+
+def loops(ins: list[dict], min_hmma: int) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of each loop: a branch back to an earlier address within the function,
+    with no EXIT between, holding at least ``min_hmma`` HMMA; a loop that contains a listed one is left out."""
+    index = {x["addr"]: k for k, x in enumerate(ins)}
+    found = []
+    for k, x in enumerate(ins):
+        if not x["op"].startswith("BRA"):
+            continue
+        m = re.search(r"0x([0-9a-f]+)\s*$", x["text"])
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target < x["addr"] and target in index:
+            first = index[target]
+            body = ins[first:k + 1]
+            # (a retry branch placed after the function's exit, e.g. of an mbarrier try-wait, jumps back over
+            # the rest of the function: not a loop of its own)
+            if not any(y["op"] == "EXIT" for y in body) and \
+                    sum(1 for y in body if y["op"].startswith("HMMA")) >= min_hmma:
+                found.append((first, k))
+    found.sort(key=lambda r: r[1] - r[0])
+    kept = []
+    for r in found:
+        if not any(r[0] <= s[0] and s[1] <= r[1] for s in kept):
+            kept.append(r)
+    return sorted(kept)
+
+
+def _latency(op: str) -> int:
+    for k, v in LATENCY.items():
+        if op.startswith(k):
+            return v
+    return DEFAULT_LATENCY
+
+
+def issue_model(body: list[dict]) -> int:
+    """Cycles for one warp to issue ``body`` once: stall counts plus scoreboard waits (see the module text)."""
+    t, board = 0, [0] * 6
+    for x in body:
+        start = max([t] + [board[k] for k in range(6) if (x["wait"] >> k) & 1])
+        if x["wbar"] != 7:
+            board[x["wbar"]] = start + _latency(x["op"])
+        if x["rbar"] != 7:
+            board[x["rbar"]] = max(board[x["rbar"]], start + READ_RELEASE)
+        t = start + max(x["stall"], 1)
+    return t
+
+
+def ldsm_bytes(body: list[dict]) -> int:
+    """Shared-memory bytes a warp's ldmatrix instructions in ``body`` read (x4: 512, x2: 256, x1: 128)."""
+    n = 0
+    for x in body:
+        if x["op"].startswith("LDSM"):
+            n += 512 if x["op"].endswith(".4") else 256 if x["op"].endswith(".2") else 128
+    return n
+
+
+def summary(body: list[dict]) -> dict:
+    """Counts and the two issue times of one loop body."""
+    ops = collections.Counter(x["op"].split(".")[0] for x in body)
+    return dict(instructions=len(body), hmma=ops["HMMA"], ldsm=ops["LDSM"], shfl=ops["SHFL"], mufu=ops["MUFU"],
+                sts=ops["STS"] + ops["STAS"], stall_sum=sum(max(x["stall"], 1) for x in body),
+                model=issue_model(body), ldsm_bytes=ldsm_bytes(body),
+                hmma_stall_mean=(sum(x["stall"] for x in body if x["op"].startswith("HMMA")) / ops["HMMA"]
+                                 if ops["HMMA"] else 0.0))
+
+
+def cuobjdump_path(given: str | None = None) -> str:
+    """``given`` (--cuobjdump), else cuobjdump next to nvcc, else on PATH.
+
+    Raises:
+        SystemExit: none of them exists.
+    """
+    if given:
+        if not Path(given).is_file():
+            raise SystemExit(f"sass_issue.py: --cuobjdump {given}: no such file")
+        return given
+    beside = Path(nvcc_path()).parent / "cuobjdump"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("cuobjdump")
+    if not found:
+        raise SystemExit("sass_issue.py: cuobjdump not found next to nvcc or on PATH (give it with --cuobjdump)")
+    return found
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("uri")
+    ap.add_argument("--arch", default="sm_90", choices=("sm_90", "sm_120"))
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--min-hmma", type=int, default=20)
+    ap.add_argument("--kernel", default="partial_kernel|dimsplit_t_kernel|dimsplit_kernel",
+                    help="regex: which kernel of the module (first match)")
+    ap.add_argument("--sass", metavar="FILE", help="also write the whole disassembly here")
+    ap.add_argument("--cuobjdump", metavar="PATH", help="the cuobjdump to use (default: next to nvcc, else on PATH)")
+    a = ap.parse_args()
+    cuobjdump = cuobjdump_path(a.cuobjdump)
+    try:
+        v = Variant.from_uri(a.uri)
+    except ValueError as e:
+        raise SystemExit(f"sass_issue.py: {e}") from None
+    defines = []
+    for d in a.define:
+        name, sep, value = d.partition("=")
+        if not sep or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
+            raise SystemExit(f"sass_issue.py: --define wants NAME=VALUE, got {d!r}")
+        defines.append((name, value))
+    src = "".join(f"#define {n} {x}\n" for n, x in defines) + render_variant(v, "sass_issue_mod")
+    flags, skip = [], False
+    for f in nvcc_flags(v):
+        if skip:
+            skip = False
+            continue
+        if f in ("-gencode", "-Xcompiler"):
+            skip = True
+            continue
+        if f in ("-shared", "-Xptxas", "-v", "-lineinfo"):
+            continue
+        flags.append(f)
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = Path(d) / "m.cu", Path(d) / "m.cubin"
+        cu.write_text(src)
+        arch = a.arch.replace("sm_", "")
+        r = subprocess.run([nvcc_path(), "-cubin", f"-arch=sm_{arch}", *flags, str(cu), "-o", str(cubin)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"sass_issue.py: nvcc failed:\n{(r.stdout + r.stderr)[-2000:]}")
+        r = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"sass_issue.py: cuobjdump failed: {r.stderr.strip()[-500:]}")
+    text = r.stdout
+    if a.sass:
+        Path(a.sass).write_text(text)
+    names = [ln.split("Function :", 1)[1].strip() for ln in text.splitlines() if "Function :" in ln]
+    pick = next((n for n in names if re.search(a.kernel, n)), None)
+    if pick is None:
+        raise SystemExit(f"sass_issue.py: no kernel matching {a.kernel!r} in {', '.join(names)}")
+    ins = parse_sass(text, pick)
+    print(f"{a.uri} ({a.arch}{', ' + ', '.join(a.define) if a.define else ''}): {len(ins)} instructions in {pick[:90]}")
+    print("| loop (addresses) | instructions | HMMA | LDSM | SHFL | MUFU | STS | HMMA stall mean | stall sum (cycles) "
+          "| scoreboard model (cycles) | ldmatrix bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for first, last in loops(ins, a.min_hmma):
+        s = summary(ins[first:last + 1])
+        print(f"| {ins[first]['addr']:#x}-{ins[last]['addr']:#x} | {s['instructions']} | {s['hmma']} | {s['ldsm']} | "
+              f"{s['shfl']} | {s['mufu']} | {s['sts']} | {s['hmma_stall_mean']:.1f} | {s['stall_sum']} | {s['model']} | "
+              f"{s['ldsm_bytes']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
