@@ -103,6 +103,15 @@
 #define MLAGEN_DST_HALF_K 0
 #endif
 
+// MLAGEN_DST_PINGPONG 0 (every shipped build): the v12-v26 score step (the softmax of step j interleaved with the last
+// K steps of step j + 1). 1: a diagnostic build of a ping-pong step (perf-notes v27): a score step runs all 18 K steps
+// of j + 1, then receives j, sends j + 1 and runs the softmax of j on its own; the output warp on the same scheduler
+// starts its P V of j - 1 only when that softmax starts (a named barrier per scheduler), so one warp's MMAs fill the
+// tensor pipe while the other runs its non-MMA work. bf16 only; built and compile-checked, not yet timed.
+#ifndef MLAGEN_DST_PINGPONG
+#define MLAGEN_DST_PINGPONG 0
+#endif
+
 // MLAGEN_DST_PBUFS 2 (every shipped build): P^T buffers; MLAGEN_DST_XBUFS 0 (every shipped build): score exchange buffers
 // chosen by what fits in sm_120's 99 KB (two, else one), 1 or 2 forces the count (a build whose shared memory exceeds its
 // archs' limit fails to compile). For A/B timing of the exchange's handshake and the P^T buffers (perf-notes v26).
@@ -211,6 +220,8 @@ struct MlaDimSplitTConfig {
   // The combine folded into this kernel when the launch's grid is co-resident (mla_verify_merge.cuh, perf-notes v21;
   // diagnostic builds only: slower than the combine kernel so far).
   static constexpr bool kFusedMerge = MLAGEN_DST_MERGE != 0;
+  // The ping-pong score step (MLAGEN_DST_PINGPONG; diagnostic builds only).
+  static constexpr bool kPingPong = MLAGEN_DST_PINGPONG != 0;
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -325,6 +336,9 @@ struct MlaDimSplitTConfig {
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
   static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL_BF16 0)");
+  static_assert(!kPingPong || (!kKvFp8 && kMaskPeel && kStages >= 3),
+                "MLAGEN_DST_PINGPONG: bf16 builds with the peeled score loop and at least 3 stages only (with 2, a score "
+                "warp's next tile would wait for the stage that its paired output warp releases only after the barrier)");
 };
 
 // One CTA's partial: o_part / lse_part of its (row block, split, request), in smem_raw (Cfg::kSmemBytes).
@@ -412,6 +426,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   };
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
   constexpr uint32_t kStatThreads = Cfg::kConsumerWarps * 32;
+  // kPingPong: named barrier kPairBar0 + sw pairs score warp sw with the output warp on its scheduler (warp % 4):
+  // the score warp arrives as the softmax of its step j >= 1 starts, the output warp syncs before its P V of j - 1.
+  constexpr uint32_t kPairBar0 = 2;
+  auto pair_out_warp = [](int sw) { return ((sw - Cfg::kFirstOutWarp) % 4 + 4) % 4; };  // output warp index ow
 
   if (warp == Cfg::kProducerWarp) {
     if constexpr (Cfg::kKvFp8) {
@@ -633,7 +651,42 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     using Tested = std::integral_constant<int, 1>;    // the step's keys tested at run time
     // Step j < num_sub - 1 (after release_stage(j)): the first kHalfK of j + 1's K steps, S of j, then the rest
     // with the softmax of j.
+    // kPingPong: all K steps of j + 1, receive j (with one exchange buffer the peer's send of j + 1 waits for this
+    // read, so the receive comes before this warp's own send), send j + 1, then the softmax of j on its own, started
+    // by the pair barrier's arrival (the output warp beside this one then runs its P V of j - 1).
+    auto pingpong_step = [&](int j, auto kMaskMode, bool has_next) {
+      float alpha[Cfg::kNTilesS][2];
+      if (has_next) {
+        wait_full(j + 1);
+        zero_acc(s_next, s_odd);
+#pragma unroll
+        for (int ks = 0; ks < Cfg::kKSteps; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
+        join_chains(s_next, s_odd);
+      }
+      receive_and_mask(j, s_cur, kMaskMode);
+      if (has_next) send_scores(j + 1, s_next);
+      if (j >= 1) ptx::named_barrier_arrive(kPairBar0 + sw, 64);
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        softmax_row(s_cur, nt, 0, alpha[nt][0]);
+        softmax_row(s_cur, nt, 1, alpha[nt][1]);
+        write_p(j, s_cur, nt, alpha[nt]);
+      }
+      publish_p(j);
+      if (has_next) {
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
+      }
+    };
     auto score_step = [&](int j, auto kMaskMode) {
+      if constexpr (Cfg::kPingPong) {
+        pingpong_step(j, kMaskMode, true);
+        return;
+      }
       float alpha[Cfg::kNTilesS][2];
       wait_full(j + 1);
       zero_acc(s_next, s_odd);
@@ -669,6 +722,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
     };
     auto last_step = [&](int j) {  // the split's last sub-tile (after release_stage(j))
+      if constexpr (Cfg::kPingPong) {
+        pingpong_step(j, Tested{}, false);
+        return;
+      }
       float alpha[Cfg::kNTilesS][2];
       receive_and_mask(j, s_cur, Tested{});
 #pragma unroll
@@ -729,6 +786,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // ---- output warp ow: dims [64 ow, 64 ow + 64) of this CTA's 256 latent dims, every row of the block
     const int ow = warp - Cfg::kFirstOutWarp;
     const int dim0 = ow * Cfg::kDimVWarp;
+    int paired_sw = -1;  // kPingPong: the score warp on this warp's scheduler, if any
+#pragma unroll
+    for (int sw = 0; sw < Cfg::kScoreWarps; ++sw)
+      if (pair_out_warp(sw) == ow) paired_sw = sw;
     // O^T fragments (m16 dims x n8 rows): o[mt][nt][0] = (dim 16 mt + g, row 8 nt + 2 t4), [1] = (.., row + 1),
     // [2] = (dim + 8, row 8 nt + 2 t4), [3] = (dim + 8, row + 1).
     float o[Cfg::kMTilesO][Cfg::kRowNTiles][4];
@@ -786,6 +847,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
       const int buf = j % Cfg::kPBufs;
       ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u);
+      if constexpr (Cfg::kPingPong) {  // the paired score warp has started the softmax of j + 1
+        if (paired_sw >= 0 && j + 1 < num_sub) ptx::named_barrier_sync(kPairBar0 + paired_sw, 64);
+      }
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
       float2 alpha[Cfg::kRowNTiles];
       bool unit = true;
