@@ -25,6 +25,7 @@ class SpecError(ValueError):
 
 MESSAGE_VALUE_LIMIT = 200  # characters of a bad value quoted in a message
 MAX_VARIANTS = 512  # larger sweeps need an explicit limit (mlagen --max-variants N)
+MESSAGE_SWEEPS = 6  # sweeps whose sizes a size error lists before it cuts the list short
 DISTINCT_COUNT_LIMIT = 1_000_000  # sweeps up to this many combinations in all are counted without their duplicates
 
 
@@ -284,9 +285,15 @@ class Spec:
             return
         parts = [" x ".join(f"{k} {len(values[k])}" for k in PARAMS if len(values[k]) > 1) or "1"
                  for values in self._sweeps()]
-        dims = parts[0] if len(parts) == 1 else " + ".join(f"({p})" for p in parts)
+        shown = parts if len(parts) <= MESSAGE_SWEEPS else parts[:MESSAGE_SWEEPS - 1]
+        dims = shown[0] if len(parts) == 1 else " + ".join(f"({p})" for p in shown)
+        if len(shown) < len(parts):
+            dims += f" + ... ({len(parts)} sweeps in all)"
         count = n if distinct is None else distinct
-        extra = "" if distinct is None or distinct == n else f", {n:,} before the duplicates across sweeps are dropped"
+        if distinct is None and len(parts) > 1:
+            extra = f"; duplicates across sweeps included: past {DISTINCT_COUNT_LIMIT:,} combinations they are not counted out"
+        else:
+            extra = "" if distinct is None or distinct == n else f", {n:,} before the duplicates across sweeps are dropped"
         raise SpecError(f"spec {self.name} sweeps {count:,} variants ({dims}{extra}), more than the limit of "
                         f"{limit:,}: narrow its lists, or allow it with --max-variants {count}")
 

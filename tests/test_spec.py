@@ -1,4 +1,5 @@
 import dataclasses
+import random
 import pytest
 
 from mlagen.feasibility import infeasible_reason, resources, split_feasible
@@ -381,9 +382,21 @@ def test_distinct_count_matches_the_variants_and_stops_at_its_limit(monkeypatch)
     spec.check_size(2)
     monkeypatch.setattr(spec_mod, "DISTINCT_COUNT_LIMIT", 3)
     assert spec.n_distinct_variants() is None
-    with pytest.raises(SpecError, match=r"sweeps 4 variants \(\(stages 2\) \+ \(stages 2\)\), more than the limit of 2: "
-                                        r"narrow its lists, or allow it with --max-variants 4$"):
+    with pytest.raises(SpecError, match=r"sweeps 4 variants \(\(stages 2\) \+ \(stages 2\); duplicates across sweeps "
+                                        r"included: past 3 combinations they are not counted out\), more than the limit "
+                                        r"of 2: narrow its lists, or allow it with --max-variants 4$"):
         spec.check_size(2)
+
+
+def test_size_error_lists_a_few_sweeps_then_the_count():
+    """A spec of many sweeps gets a one-line size error of bounded length that still ends with the way out."""
+    n = random.randint(8, 300)
+    spec = parse_spec(dict(BASE, nsplit=[16, 32, 64], sweeps=[dict(stages=[2, 3], row_tiles=[1, 2, 3])] * n))
+    with pytest.raises(SpecError) as e:
+        spec.check_size(17)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    assert f"({n} sweeps in all)" in msg and msg.endswith("allow it with --max-variants 18"), msg
 
 
 @pytest.mark.parametrize("sweeps, message", [
