@@ -649,13 +649,30 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     send_scores(0, s_cur);
     using Unmasked = std::integral_constant<int, 0>;  // receive_and_mask's kMaskMode: no masking code
     using Tested = std::integral_constant<int, 1>;    // the step's keys tested at run time
-    // Step j < num_sub - 1 (after release_stage(j)): the first kHalfK of j + 1's K steps, S of j, then the rest
-    // with the softmax of j.
+    // The softmax of step j (every row of this warp, in order) and its P^T, published; then the next step's scores
+    // become the current ones.
+    auto softmax_publish = [&](int j) {
+      float alpha[Cfg::kNTilesS][2];
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+        softmax_row(s_cur, nt, 0, alpha[nt][0]);
+        softmax_row(s_cur, nt, 1, alpha[nt][1]);
+        write_p(j, s_cur, nt, alpha[nt]);
+      }
+      publish_p(j);
+    };
+    auto advance_scores = [&]() {
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
+    };
     // kPingPong: all K steps of j + 1, receive j (with one exchange buffer the peer's send of j + 1 waits for this
     // read, so the receive comes before this warp's own send), send j + 1, then the softmax of j on its own, started
     // by the pair barrier's arrival (the output warp beside this one then runs its P V of j - 1).
     auto pingpong_step = [&](int j, auto kMaskMode, bool has_next) {
-      float alpha[Cfg::kNTilesS][2];
       if (has_next) {
         wait_full(j + 1);
         zero_acc(s_next, s_odd);
@@ -666,22 +683,11 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       receive_and_mask(j, s_cur, kMaskMode);
       if (has_next) send_scores(j + 1, s_next);
       if (j >= 1) ptx::named_barrier_arrive(kPairBar0 + sw, 64);
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        softmax_row(s_cur, nt, 0, alpha[nt][0]);
-        softmax_row(s_cur, nt, 1, alpha[nt][1]);
-        write_p(j, s_cur, nt, alpha[nt]);
-      }
-      publish_p(j);
-      if (has_next) {
-#pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
-      }
+      softmax_publish(j);
+      if (has_next) advance_scores();
     };
+    // Step j < num_sub - 1 (after release_stage(j)): the first kHalfK of j + 1's K steps, S of j, then the rest
+    // with the softmax of j.
     auto score_step = [&](int j, auto kMaskMode) {
       if constexpr (Cfg::kPingPong) {
         pingpong_step(j, kMaskMode, true);
@@ -714,27 +720,15 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       join_chains(s_next, s_odd);
       publish_p(j);
       send_scores(j + 1, s_next);
-#pragma unroll
-      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
+      advance_scores();
     };
     auto last_step = [&](int j) {  // the split's last sub-tile (after release_stage(j))
       if constexpr (Cfg::kPingPong) {
         pingpong_step(j, Tested{}, false);
         return;
       }
-      float alpha[Cfg::kNTilesS][2];
       receive_and_mask(j, s_cur, Tested{});
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        softmax_row(s_cur, nt, 0, alpha[nt][0]);
-        softmax_row(s_cur, nt, 1, alpha[nt][1]);
-        write_p(j, s_cur, nt, alpha[nt]);
-      }
-      publish_p(j);
+      softmax_publish(j);
     };
     if constexpr (Cfg::kMaskPeel) {
       // Steps [0, j_prefix) hold only prefix keys (all below kv_len): key0 + kSubTile <= prefix_len.
