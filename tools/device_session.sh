@@ -23,14 +23,17 @@
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
+#   pingpong: [URI=..] the ping-pong diagnostic build of a dimsplit_t tile (MLAGEN_DST_PINGPONG=1, perf-notes v27): its
+#         quick verification (a failure or hang stops the call), the A/B against the shipped build (outputs bit for
+#         bit first; with and without the L2 prefetch), then memcheck and racecheck of it ≈ 6 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
-  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule) ;;
-  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule)" >&2
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong)" >&2
      exit 2 ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
@@ -151,6 +154,21 @@ elif [ "$MODE" = dst_bench ]; then
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log" | tail -30
   grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
   grep -hE "^L2 -> SM" "$OUT/bench_native.log"
+elif [ "$MODE" = pingpong ]; then
+  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  PP=MLAGEN_DST_PINGPONG=1
+  step pp_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$PP"
+  tail -14 "$OUT/pp_verify.log"
+  if grep -q FAIL "$OUT/pp_verify.log" || ! grep -q "^ok" "$OUT/pp_verify.log"; then
+    echo "pingpong: the quick verification failed or did not finish: stop"; exit 1
+  fi
+  step pp_ab 240 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_PINGPONG=0,1,1 \
+    --define MLAGEN_DST_L2_PREFETCH=2,2,1 --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
+  grep -E "^\||equal|differ" "$OUT/pp_ab.log" | tail -16
+  step pp_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$PP" &
+  step pp_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$PP" &
+  wait
+  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/pp_memcheck.log" "$OUT/pp_racecheck.log"
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +
