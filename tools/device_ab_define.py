@@ -44,6 +44,14 @@ from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 
+def diagnostic_dir() -> Path:
+    """Where diagnostic builds go: $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), created if missing; never the
+    registry."""
+    out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
 def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
     """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines`` (nothing
     recompiled while its build key is unchanged: mlagen.ninja_gen.compile_diagnostic)."""
@@ -98,8 +106,7 @@ def main() -> int:
         return 1
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(Variant.from_uri(a.uri), archs=(f"sm_{major}{minor}",))
-    out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = diagnostic_dir()
     from concurrent.futures import ThreadPoolExecutor
 
     # (variant, defines) per build: URI at each define value, then each --variants URI with the first value's defines

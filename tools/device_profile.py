@@ -7,7 +7,7 @@ NAME=VALUE arguments build a diagnostic module with ``#define NAME VALUE`` ahead
 tools/device_ab_define.py does (built under $MLAGEN_ABLATE_DIR, never into the registry), e.g. racecheck of a
 diagnostic schedule: compute-sanitizer --tool racecheck python3 tools/device_profile.py URI 0 0 quick MLAGEN_DST_PINGPONG=1
 """
-import os, sys
+import sys
 from pathlib import Path
 
 import torch
@@ -26,10 +26,8 @@ from mlagen.cases import make_problem  # noqa: E402
 
 v = Variant.from_uri(args[0])
 if defines:
-    from device_ab_define import build  # noqa: E402  (tools/ is this script's directory)
-    out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mod, so = build(v, defines, out_dir)
+    from device_ab_define import build, diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
+    mod, so = build(v, defines, diagnostic_dir())
     k = VerifyKernel(v, so, mod)
     print("diagnostic build:", mod, flush=True)
 else:

@@ -4,9 +4,10 @@ iteration before any other warp or memory gets in the way.
     python3 tools/sass_issue.py URI [--arch sm_90|sm_120] [--define NAME=VALUE ...] [--min-hmma 20] [--sass FILE]
         [--cuobjdump PATH]
 
-Compiles the variant (``#define`` lines ahead of the rendered module, as tools/device_ab_define.py does) to a cubin
-for one arch, disassembles it with cuobjdump, finds every loop of the partial kernel (a branch back to an earlier
-address) that holds at least --min-hmma HMMA instructions, and prints per loop:
+Builds the variant for one arch as tools/device_ab_define.py builds a diagnostic module (``#define`` lines ahead
+of the rendered source; under $MLAGEN_ABLATE_DIR, cached by build key), disassembles it with cuobjdump, finds
+every loop of the partial kernel (a branch back to an earlier address) that holds at least --min-hmma HMMA
+instructions, and prints per loop:
 
 - instructions, HMMA / LDSM / SHFL / MUFU / STS counts;
 - the sum of the stall counts ptxas wrote into the control bits (the cycles the warp waits after each instruction
@@ -27,17 +28,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlagen.codegen import render_variant  # noqa: E402
-from mlagen.ninja_gen import nvcc_flags, nvcc_path  # noqa: E402
+from device_ab_define import build, diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
+from mlagen.ninja_gen import nvcc_path  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 # Assumed result latencies (cycles) of variable-latency instructions, for the scoreboard model only.
@@ -186,29 +187,14 @@ def main() -> int:
         if not sep or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
             raise SystemExit(f"sass_issue.py: --define wants NAME=VALUE, got {d!r}")
         defines.append((name, value))
-    src = "".join(f"#define {n} {x}\n" for n, x in defines) + render_variant(v, "sass_issue_mod")
-    flags, skip = [], False
-    for f in nvcc_flags(v):
-        if skip:
-            skip = False
-            continue
-        if f in ("-gencode", "-Xcompiler"):
-            skip = True
-            continue
-        if f in ("-shared", "-Xptxas", "-v", "-lineinfo"):
-            continue
-        flags.append(f)
-    with tempfile.TemporaryDirectory() as d:
-        cu, cubin = Path(d) / "m.cu", Path(d) / "m.cubin"
-        cu.write_text(src)
-        arch = a.arch.replace("sm_", "")
-        r = subprocess.run([nvcc_path(), "-cubin", f"-arch=sm_{arch}", *flags, str(cu), "-o", str(cubin)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"sass_issue.py: nvcc failed:\n{(r.stdout + r.stderr)[-2000:]}")
-        r = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"sass_issue.py: cuobjdump failed: {r.stderr.strip()[-500:]}")
+    # the project's diagnostic build (tools/device_ab_define.py: cached by build key), for this one arch
+    try:
+        _, so = build(dataclasses.replace(v, archs=(a.arch,)), defines, diagnostic_dir())
+    except RuntimeError as e:  # nvcc failed (compile_diagnostic: the tail of its output)
+        raise SystemExit(f"sass_issue.py: {e}") from None
+    r = subprocess.run([cuobjdump, "-sass", "-arch", a.arch, str(so)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"sass_issue.py: cuobjdump failed: {r.stderr.strip()[-500:]}")
     text = r.stdout
     if a.sass:
         Path(a.sass).write_text(text)
