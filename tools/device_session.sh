@@ -26,14 +26,16 @@
 #   pingpong: [URI=..] the ping-pong diagnostic build of a dimsplit_t tile (MLAGEN_DST_PINGPONG=1, perf-notes v27): its
 #         quick verification (a failure or hang stops the call), the A/B against the shipped build (outputs bit for
 #         bit first; with and without the L2 prefetch), then memcheck and racecheck of it ≈ 6 min.
+#   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
+#         (tools/dst_trace.py), shipped and ping-pong; KTESTS' GPU tests and SAN_URIS' sanitizers first ≈ 6 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
-  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong) ;;
-  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong)" >&2
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong|trace) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong, trace)" >&2
      exit 2 ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
@@ -169,6 +171,29 @@ elif [ "$MODE" = pingpong ]; then
   step pp_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$PP" &
   wait
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/pp_memcheck.log" "$OUT/pp_racecheck.log"
+elif [ "$MODE" = trace ]; then
+  # where a dimsplit_t step's cycles go, per warp role (tools/dst_trace.py: the MLAGEN_DST_TRACE build's waits timed
+  # with %clock64), for URI's shipped step and its ping-pong step, at CONTEXTS x BATCHES; first, beside their build,
+  # the GPU tests of KTESTS (pytest -k on tests/test_kernel_gpu.py) and memcheck + racecheck of SAN_URIS, when given
+  # (~6 min with the other-row-count tests)
+  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  if [ -n "${KTESTS:-}" ]; then
+    step pytest_k "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS" &
+  fi
+  step trace_build 300 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_TRACE=1,1 \
+    --define MLAGEN_DST_PINGPONG=0,1 --build-only
+  wait
+  [ -n "${KTESTS:-}" ] && grep -E "passed|failed|Error|assert" "$OUT/pytest_k.log" | tail -8
+  for u in ${SAN_URIS:-}; do
+    step "memcheck_$u" 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick &
+    step "racecheck_$u" 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick &
+    wait
+  done
+  for pp in 0 1; do
+    step "trace_pp$pp" 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
+      --batches "${BATCHES:-1,4}" --define MLAGEN_DST_PINGPONG=$pp
+    grep -E "^\||^bs|Error" "$OUT/trace_pp$pp.log" | grep -v "^|---" | tail -12
+  done
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +

@@ -112,6 +112,18 @@
 #define MLAGEN_DST_PINGPONG 0
 #endif
 
+// MLAGEN_DST_TRACE 0 (every shipped build): 1: a diagnostic build that times each consumer warp's waits with %clock64
+// and prints, for the first cluster of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
+// the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
+// cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), and the
+// cycles inside each of its waits (perf-notes v28).
+#ifndef MLAGEN_DST_TRACE
+#define MLAGEN_DST_TRACE 0
+#endif
+#if MLAGEN_DST_TRACE
+#include <cstdio>  // device printf
+#endif
+
 // MLAGEN_DST_PBUFS 2 (every shipped build): P^T buffers; MLAGEN_DST_XBUFS 0 (every shipped build): score exchange buffers
 // chosen by what fits in sm_120's 99 KB (two, else one), 1 or 2 forces the count (a build whose shared memory exceeds its
 // archs' limit fails to compile). For A/B timing of the exchange's handshake and the P^T buffers (perf-notes v26).
@@ -416,8 +428,36 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   }
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
 
+  // MLAGEN_DST_TRACE: per warp, cycles inside each wait kind (slots kTrace*), summed by lane 0 in shared memory
+  constexpr int kTraceStage = 0, kTracePeer = 1, kTraceP = 2, kTraceXEmpty = 3;
+#if MLAGEN_DST_TRACE
+  constexpr int kTraceSlots = 4;
+  __shared__ unsigned long long trace_wait_smem[Cfg::kThreads / 32][kTraceSlots];
+  if (lane < kTraceSlots) trace_wait_smem[warp][lane] = 0ull;
+  __syncwarp();
+  const uint64_t trace_t0 = ptx::clock64_cycles(), trace_ns0 = ptx::globaltimer_ns();
+  uint64_t trace_first = 0, trace_last = 0;  // cycles at the first sub-tile's start and after the last one
+#endif
+  auto traced = [&](int slot, auto&& wait) {  // wait(); timed in MLAGEN_DST_TRACE builds
+#if MLAGEN_DST_TRACE
+    const uint64_t t = ptx::clock64_cycles();
+    wait();
+    if (lane == 0) trace_wait_smem[warp][slot] += ptx::clock64_cycles() - t;
+#else
+    (void)slot;
+    wait();
+#endif
+  };
+  auto trace_mark = [&](bool last) {  // MLAGEN_DST_TRACE: the first sub-tile starts / the last one is done
+#if MLAGEN_DST_TRACE
+    (last ? trace_last : trace_first) = ptx::clock64_cycles();
+#else
+    (void)last;
+#endif
+  };
+
   auto sub_kv = [&](int j) { return ring_sub_tile<Cfg>(kv_smem, j); };
-  auto wait_full = [&](int j) { wait_sub_tile_full<Cfg>(full_bar, j); };
+  auto wait_full = [&](int j) { traced(kTraceStage, [&] { wait_sub_tile_full<Cfg>(full_bar, j); }); };
   auto release_stage = [&](int j) {  // this warp is done reading the stage of sub-tile j (after its last one)
     if (j % Cfg::kSubTiles == Cfg::kSubTiles - 1) {
       __syncwarp();
@@ -512,7 +552,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     auto send_scores = [&](int j, const Acc& s) {
       if constexpr (kAblate & kAblateExchange) return;  // diagnostic: each CTA keeps its half of the scores
       if constexpr (Cfg::kXBufs == 1) {  // the peer has read sub-tile j - 1 from its (only) buffer
-        if (j > 0) ptx::mbarrier_wait_parity(xempty_bar + sw, static_cast<uint32_t>(j - 1) & 1u);
+        if (j > 0) {
+          traced(kTraceXEmpty,
+                 [&] { ptx::mbarrier_wait_parity(xempty_bar + sw, static_cast<uint32_t>(j - 1) & 1u); });
+        }
       }
       const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
       const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
@@ -534,7 +577,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       if constexpr (!(kAblate & kAblateExchange)) {
         uint64_t* xbar = xfull_bar + xslot(j);
         if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
-        ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u);
+        traced(kTracePeer, [&] { ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u); });
         const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
@@ -577,7 +620,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           }
       }
       if (j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in P buffer j % kPBufs
-        ptx::mbarrier_wait_parity(pempty_bar + j % Cfg::kPBufs, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
+        traced(kTraceP, [&] {
+          ptx::mbarrier_wait_parity(pempty_bar + j % Cfg::kPBufs, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
+        });
       }
     };
     // Online softmax of one row (n8 tile nt, column parity e) of sub-tile j: the max over the step's tokens
@@ -641,6 +686,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     constexpr int kPieces = 3 * Cfg::kNTilesS;       // per n8 tile: the two rows' softmax, then its P^T and factors
     static_assert(kHalfK >= 1 && kSecondK >= 1, "MLAGEN_DST_HALF_K: 1..17 (both parts of a score step need a K step)");
     Acc s_cur, s_next, s_odd;
+    trace_mark(false);
     wait_full(0);
     zero_acc(s_cur, s_odd);
 #pragma unroll
@@ -758,6 +804,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
       }
     }
+    trace_mark(true);
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
 #pragma unroll
     for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
@@ -836,13 +883,16 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         if (lane == 0) ptx::mbarrier_arrive(tree_bar);  // release: the rows
       }
     }
+    trace_mark(false);
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
       const int buf = j % Cfg::kPBufs;
-      ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u);
+      traced(kTraceP, [&] { ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u); });
       if constexpr (Cfg::kPingPong) {  // the paired score warp has started the softmax of j + 1
-        if (paired_sw >= 0 && j + 1 < num_sub) ptx::named_barrier_sync(kPairBar0 + paired_sw, 64);
+        if (paired_sw >= 0 && j + 1 < num_sub) {
+          traced(kTracePeer, [&] { ptx::named_barrier_sync(kPairBar0 + paired_sw, 64); });
+        }
       }
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
       float2 alpha[Cfg::kRowNTiles];
@@ -899,6 +949,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         if (j + Cfg::kConsStages < num_sub) convert_tile(j + Cfg::kConsStages);  // into the stage j just left
       }
     }
+    trace_mark(true);
     // ---- epilogue: normalized partial O^T of this warp's dims (scores warps' row sums), rows < live_rows
     ptx::named_barrier_sync(kStatBar, kStatThreads);
     using PartialT = typename Cfg::PartialT;
@@ -922,6 +973,17 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       }
   }
   __syncwarp();
+#if MLAGEN_DST_TRACE
+  if (lane == 0 && blockIdx.x < 2 && warp != Cfg::kProducerWarp) {
+    const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
+    const unsigned long long* w = trace_wait_smem[warp];
+    printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu\n",
+           static_cast<int>(blockIdx.x), warp, warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
+           static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
+           static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
+           w[0], w[1], w[2], w[3]);
+  }
+#endif
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
 }
 

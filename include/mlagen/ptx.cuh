@@ -271,6 +271,13 @@ __device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* addr)
   return v;
 }
 
+// The SM's cycle counter (PTX %clock64): diagnostic timing of one warp's waits (MLAGEN_DST_TRACE builds).
+__device__ __forceinline__ uint64_t clock64_cycles() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t));
+  return t;
+}
+
 // Global nanosecond timer (PTX %globaltimer; coarse, but monotonic across SMs): bounds spin-waits.
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;

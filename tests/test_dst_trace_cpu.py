@@ -1,0 +1,64 @@
+"""CPU tests of tools/dst_trace.py: the MLAGEN_DST_TRACE lines (the format printed by
+include/mlagen/mla_verify_dimsplit_t.cuh) parsed and averaged per role, on random lines made here."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+dst_trace = pytest.importorskip("dst_trace")
+
+
+def _line(cta, warp, role, sub, cycles, ns, before, after, wait):
+    return (f"dst_trace cta {cta} warp {warp} role {role} sub {sub} cycles {cycles} ns {ns} before {before} "
+            f"after {after} wait {wait[0]} {wait[1]} {wait[2]} {wait[3]}")
+
+
+def _launch(rng, sub):
+    rows, lines = [], ["some other output line"]
+    for cta in (0, 1):
+        for warp in range(7):
+            role = "score" if warp < 3 else "output"
+            before, after = rng.randrange(100, 5000), rng.randrange(100, 5000)
+            wait = [rng.randrange(0, 200 * sub) for _ in range(4)]
+            cycles = before + after + sum(wait) + rng.randrange(500 * sub, 3000 * sub)
+            ns = cycles * 1000 // rng.randrange(1500, 2000)
+            rows.append(dict(role=role, sub=sub, cycles=cycles, ns=ns, before=before, after=after, wait=wait))
+            lines.append(_line(cta, warp, role, sub, cycles, ns, before, after, wait))
+    rng.shuffle(lines)
+    return rows, "\n".join(lines) + "\n"
+
+
+def test_parse_and_role_means_match_a_direct_computation():
+    rng = random.Random()
+    sub = rng.randrange(2, 200)
+    made = [_launch(rng, sub) for _ in range(rng.randrange(2, 5))]
+    launches = [dst_trace.parse(text) for _, text in made]
+    assert [len(x) for x in launches] == [14] * len(made)
+    out = {r["role"]: r for r in dst_trace.summarize(launches)}
+    assert set(out) == {"score", "output"}
+    for role, warps in (("score", 6), ("output", 8)):
+        rows = [r for rows, _ in made[1:] for r in rows if r["role"] == role]  # the first launch is not averaged
+        loop = sum((r["cycles"] - r["before"] - r["after"]) / sub for r in rows) / len(rows)
+        waits = [sum(r["wait"][i] / sub for r in rows) / len(rows) for i in range(4)]
+        ghz = sum(r["cycles"] / r["ns"] for r in rows) / len(rows)
+        got = out[role]
+        assert got["warps"] == warps and got["sub"] == pytest.approx(sub)
+        assert got["loop"] == pytest.approx(loop)
+        assert got["wait"] == pytest.approx(waits)
+        assert got["busy"] == pytest.approx(loop - sum(waits))
+        assert got["ghz"] == pytest.approx(ghz)
+        assert got["before"] == pytest.approx(sum(r["before"] for r in rows) / len(rows))
+
+
+def test_a_launch_without_trace_lines_is_an_error():
+    rng = random.Random()
+    good = dst_trace.parse(_launch(rng, 8)[1])
+    with pytest.raises(ValueError, match="MLAGEN_DST_TRACE"):
+        dst_trace.summarize([good, dst_trace.parse("no trace here\n")])
+    with pytest.raises(ValueError):
+        dst_trace.summarize([])

@@ -1,0 +1,156 @@
+"""Where a dimsplit_t step's cycles go, per warp role (GPU): the tile built with MLAGEN_DST_TRACE=1
+(include/mlagen/mla_verify_dimsplit_t.cuh), whose consumer warps time their mbarrier waits with %clock64 and print,
+for the first cluster of each launch, one line per warp. This script launches it on one problem per shape, reads
+those lines (device printf, captured from fd 1) and prints per role the mean over the launches after the first,
+both CTAs and the role's warps:
+
+- cycles per sub-tile between the warp's first sub-tile and the end of its last one, and how many of them it spent
+  inside each wait: the stage's copies (full), the peer CTA's scores (score warps) or the P^T buffer (output
+  warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps), the pair
+  barrier (output warps of MLAGEN_DST_PINGPONG builds); "busy" is the rest;
+- the cycles before the first sub-tile (the score warps' Q loads, the first stage) and after the last (row sums,
+  epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span).
+
+    python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
+
+The clock reads add a few instructions per wait, so the traced build is a little slower than the shipped one;
+the bench, not this, gives µs. Builds go to $MLAGEN_ABLATE_DIR as tools/device_ab_define.py's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mlagen.bench import make_problem  # noqa: E402
+from mlagen.ops import VerifyKernel  # noqa: E402
+from mlagen.spec import Variant  # noqa: E402
+
+LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (\d+) ns (\d+) before (\d+) "
+                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)")
+# the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
+WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
+         "output": ("stage", "pair barrier", "P^T", "-")}
+
+
+def parse(text: str) -> list[dict]:
+    """The MLAGEN_DST_TRACE lines of ``text`` as dicts (ints; role a str); other lines are ignored."""
+    rows = []
+    for m in LINE.finditer(text):
+        g = m.groups()
+        rows.append(dict(cta=int(g[0]), warp=int(g[1]), role=g[2], sub=int(g[3]), cycles=int(g[4]), ns=int(g[5]),
+                         before=int(g[6]), after=int(g[7]), wait=[int(x) for x in g[8:12]]))
+    return rows
+
+
+def summarize(launches: list[list[dict]]) -> list[dict]:
+    """Per role, the mean over every launch but the first (unless there is one), both CTAs and the role's warps:
+    cycles per sub-tile of the loop span and of each wait slot, before / after cycles, GHz. Raises ValueError when
+    a launch printed no line (not a MLAGEN_DST_TRACE build, or the printf buffer overflowed)."""
+    if not launches or any(not rows for rows in launches):
+        raise ValueError("a launch printed no dst_trace line: is the module built with MLAGEN_DST_TRACE=1?")
+    use = launches[1:] if len(launches) > 1 else launches
+    out = []
+    for role in ("score", "output"):
+        rows = [r for rows in use for r in rows if r["role"] == role]
+        if not rows:
+            continue
+        per = []
+        for r in rows:
+            span = r["cycles"] - r["before"] - r["after"]
+            sub = max(r["sub"], 1)
+            per.append(dict(loop=span / sub, wait=[w / sub for w in r["wait"]], before=r["before"], after=r["after"],
+                            ghz=r["cycles"] / max(r["ns"], 1), sub=r["sub"]))
+        mean = lambda key: statistics.fmean(p[key] for p in per)  # noqa: E731
+        waits = [statistics.fmean(p["wait"][i] for p in per) for i in range(4)]
+        out.append(dict(role=role, warps=len({(r["cta"], r["warp"]) for r in rows}), sub=mean("sub"),
+                        loop=mean("loop"), wait=waits, busy=mean("loop") - sum(waits), before=mean("before"),
+                        after=mean("after"), ghz=mean("ghz")))
+    return out
+
+
+def capture_fd1(fn) -> str:
+    """What ``fn()`` and the kernels it launches write to file descriptor 1 (device printf goes there at the
+    next synchronization), returned as text; fd 1 is restored even when ``fn`` raises."""
+    libc = ctypes.CDLL(None)
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("uri")
+    ap.add_argument("--contexts", default="65536")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--launches", type=int, default=4, help="launches per shape (the first is not averaged)")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a further define of the build")
+    a = ap.parse_args()
+    defines = [("MLAGEN_DST_TRACE", "1")]
+    for d in a.define:
+        name, eq, value = d.partition("=")
+        if not eq or not name or not value:
+            sys.exit(f"--define takes NAME=VALUE, not {d!r}")
+        defines.append((name, value))
+    v = Variant.from_uri(a.uri)
+    if v.schedule != "dimsplit_t":
+        sys.exit(f"{a.uri}: MLAGEN_DST_TRACE is a dimsplit_t define (schedule {v.schedule})")
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; nothing built or measured")
+        return 1
+    from device_ab_define import build, diagnostic_dir
+
+    major, minor = torch.cuda.get_device_capability()
+    v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
+    mod, so = build(v, defines, diagnostic_dir())
+    k = VerifyKernel(v, so, mod)
+    print(f"{a.uri} on {torch.cuda.get_device_name()}, build {mod}")
+    for bs in map(int, a.batches.split(",")):
+        for ctx in map(int, a.contexts.split(",")):
+            pr = make_problem(v, [ctx] * bs, device="cuda", seed=5, poison_pool=False, name="trace")
+            if v.dtype == "fp8_e4m3":
+                pr = dataclasses.replace(pr, kv_cache=pr.kv_cache.to(torch.float8_e4m3fn))
+            launches = []
+            for _ in range(a.launches):
+                text = capture_fd1(lambda: k(pr.q, pr.kv_cache, pr.block_table, pr.kv_lens, **pr.kernel_args()))
+                launches.append(parse(text))
+            rows = summarize(launches)
+            print(f"\nbs {bs} ctx {ctx}: {k.num_splits(bs)} splits; cycles per sub-tile (mean of "
+                  f"{len(launches) - 1 or 1} launches, both CTAs of the first cluster)")
+            print("| role | warps | sub-tiles | cycles / sub-tile | wait: stage | wait 2 | wait 3 | wait 4 | busy | "
+                  "before | after | GHz |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for r in rows:
+                names = WAITS[r["role"]]
+                w = " | ".join(f"{x:.0f} ({n})" for x, n in zip(r["wait"][1:], names[1:]))
+                print(f"| {r['role']} | {r['warps']} | {r['sub']:.0f} | {r['loop']:.0f} | {r['wait'][0]:.0f} | {w} | "
+                      f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
