@@ -89,9 +89,9 @@ SPECS = {
                    schedule="dimsplit_t", block_n=32, stages=[2, 3, 4], row_tiles=3, num_warps=8, load_width=128,
                    mask="tree"),
     # dimsplit_t at other row counts: H16 (2 clusters of 72 rows), H1 q5 causal (one score warp, 5 of 24 rows
-    # live), H64 q2 no mask (128 rows: 2 clusters of 3 score warps, the second 56 rows live), q_len 1 decode,
-    # H16 q3 (48 rows: two score warps, 6 n8 tiles) with 16-token steps in an 8-stage ring, and 16-token steps
-    # in a 2-stage ring at H8 q9
+    # live), H64 q2 no mask (128 rows: 2 clusters of 3 score warps, the second 56 rows live), q_len 1 decode
+    # (3 and 4 stages: a score step receives after 9 or 4 K steps), H16 q3 (48 rows: two score warps, 6 n8
+    # tiles) with 16-token steps in an 8-stage ring, and 16-token steps in a 2-stage ring at H8 q9
     "dst_rows": [dict(name="gpu_dst_h16", heads_per_rank=16, q_len=9, page_size=64, nsplit="auto", mask="tree",
                       schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=[3, 4], load_width=128),
                  dict(name="gpu_dst_h1", heads_per_rank=1, q_len=5, page_size=16, nsplit=8, mask="causal",
@@ -99,7 +99,7 @@ SPECS = {
                  dict(name="gpu_dst_h64", heads_per_rank=64, q_len=2, page_size=1, nsplit="auto", mask="none",
                       schedule="dimsplit_t", row_tiles=3, num_warps=8, block_n=32, stages=2, load_width=128),
                  dict(name="gpu_dst_q1", heads_per_rank=8, q_len=1, page_size=1, nsplit="auto", mask="causal",
-                      schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=3, load_width=128),
+                      schedule="dimsplit_t", row_tiles=1, num_warps=6, block_n=32, stages=[3, 4], load_width=128),
                  dict(name="gpu_dst_h16q3", heads_per_rank=16, q_len=3, page_size=16, nsplit="auto", mask="tree",
                       schedule="dimsplit_t", row_tiles=2, num_warps=7, block_n=16, stages=8, load_width=128),
                  dict(name="gpu_dst_bn16", heads_per_rank=8, q_len=9, page_size=1, nsplit=7, mask="tree",

@@ -96,9 +96,10 @@
 #endif
 
 // MLAGEN_DST_HALF_K 0 (every shipped build): a score step runs this many of its 18 K steps before it receives the peer's
-// half of the previous step's scores; the rest carry that step's softmax, its 9 pieces spread evenly over them. 0: 4 in
-// bf16 builds of 3 score warps and at least 4 stages (perf-notes v26: 0.937-1.003x the time of 9 on an H200, outputs
-// bit-identical), 9 (v12-v25: one piece per K step) in the others; 1-17 force it, for A/B timing.
+// half of the previous step's scores; the rest carry that step's softmax, its pieces spread evenly over them. 0: 4 in
+// bf16 builds of 3 score warps (perf-notes v26: 0.937-1.003x the time of 9 on an H200, outputs bit-identical) or of
+// one (the q_len 1 tile, v27: 0.976-1.002x) with at least 4 stages, 9 (v12-v25: one piece per K step) in the others
+// (e4m3: level, v27); 1-17 force it, for A/B timing.
 #ifndef MLAGEN_DST_HALF_K
 #define MLAGEN_DST_HALF_K 0
 #endif
@@ -679,8 +680,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // j - 1 had read that buffer; with one, send_scores(j + 1) waits on xempty for the peer's read of j.
     // With kMaskPeel the steps whose keys are all prefix keys run in a loop of their own, compiled without the
     // masking code, so the two halves of its body are contiguous in the instruction stream.
-    constexpr int kHalfK = MLAGEN_DST_HALF_K == 0 ? (!Cfg::kKvFp8 && Cfg::kRowTiles == 3 && Cfg::kStages >= 4 ? 4 : 9)
-                         : MLAGEN_DST_HALF_K;
+    constexpr int kHalfK =
+        MLAGEN_DST_HALF_K == 0
+            ? (!Cfg::kKvFp8 && (Cfg::kRowTiles == 3 || Cfg::kRowTiles == 1) && Cfg::kStages >= 4 ? 4 : 9)
+            : MLAGEN_DST_HALF_K;
     static_assert(Cfg::kKSteps == 18, "dimsplit_t: 18 K steps per CTA (kv_lora_rank 512, qk_rope_head_dim 64)");
     constexpr int kSecondK = Cfg::kKSteps - kHalfK;  // K steps that carry the softmax's 3 kNTilesS pieces
     constexpr int kPieces = 3 * Cfg::kNTilesS;       // per n8 tile: the two rows' softmax, then its P^T and factors
