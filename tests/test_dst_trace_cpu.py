@@ -53,6 +53,12 @@ def test_parse_and_role_means_match_a_direct_computation():
         assert got["busy"] == pytest.approx(loop - sum(waits))
         assert got["ghz"] == pytest.approx(ghz)
         assert got["before"] == pytest.approx(sum(r["before"] for r in rows) / len(rows))
+    by_warp = {r["role"]: r for r in dst_trace.summarize(launches, per_warp=True)}
+    assert set(by_warp) == {f"{'score' if w < 3 else 'output'} warp {w}" for w in range(7)}
+    assert all(r["warps"] == 2 for r in by_warp.values())  # both CTAs
+    w5 = [r for rows, _ in made[1:] for r in rows[5::7]]  # warp 5 of each CTA (rows are made warp-major per CTA)
+    assert by_warp["output warp 5"]["busy"] == pytest.approx(
+        sum((r["cycles"] - r["before"] - r["after"] - sum(r["wait"])) / sub for r in w5) / len(w5))
 
 
 def test_a_launch_without_trace_lines_is_an_error():

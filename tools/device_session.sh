@@ -26,6 +26,8 @@
 #   pingpong: [URI=..] the ping-pong diagnostic build of a dimsplit_t tile (MLAGEN_DST_PINGPONG=1, perf-notes v27): its
 #         quick verification (a failure or hang stops the call), the A/B against the shipped build (outputs bit for
 #         bit first; with and without the L2 prefetch), then memcheck and racecheck of it ≈ 6 min.
+#   diag: DEF=NAME [URI=..] a dimsplit_t diagnostic build with #define NAME 1: as pingpong, with the A/B against 0 and
+#         the build's cycle trace (tools/dst_trace.py) ≈ 6 min.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py), shipped and ping-pong; KTESTS' GPU tests and SAN_URIS' sanitizers first ≈ 6 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
@@ -34,8 +36,8 @@
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
-  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong|trace) ;;
-  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong, trace)" >&2
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong|diag|trace) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong, diag, trace)" >&2
      exit 2 ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
@@ -156,21 +158,32 @@ elif [ "$MODE" = dst_bench ]; then
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log" | tail -30
   grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
   grep -hE "^L2 -> SM" "$OUT/bench_native.log"
-elif [ "$MODE" = pingpong ]; then
+elif [ "$MODE" = pingpong ] || [ "$MODE" = diag ]; then
+  # a dimsplit_t diagnostic build: DEF=1 (pingpong: MLAGEN_DST_PINGPONG), its quick verification (a failure or hang
+  # stops the call), the A/B against the shipped build (outputs bit for bit first; pingpong: with and without the L2
+  # prefetch), its per-role cycle trace (diag; tools/dst_trace.py), then memcheck and racecheck of it
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  PP=MLAGEN_DST_PINGPONG=1
-  step pp_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$PP"
-  tail -14 "$OUT/pp_verify.log"
-  if grep -q FAIL "$OUT/pp_verify.log" || ! grep -q "^ok" "$OUT/pp_verify.log"; then
-    echo "pingpong: the quick verification failed or did not finish: stop"; exit 1
+  DEF=${DEF:-MLAGEN_DST_PINGPONG}
+  [ "$MODE" = pingpong ] && DEF=MLAGEN_DST_PINGPONG
+  step d_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1"
+  tail -14 "$OUT/d_verify.log"
+  if grep -q FAIL "$OUT/d_verify.log" || ! grep -q "^ok" "$OUT/d_verify.log"; then
+    echo "$MODE: the quick verification failed or did not finish: stop"; exit 1
   fi
-  step pp_ab 240 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_PINGPONG=0,1,1 \
-    --define MLAGEN_DST_L2_PREFETCH=2,2,1 --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
-  grep -E "^\||equal|differ" "$OUT/pp_ab.log" | tail -16
-  step pp_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$PP" &
-  step pp_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$PP" &
+  if [ "$MODE" = pingpong ]; then
+    step d_ab 240 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_PINGPONG=0,1,1 \
+      --define MLAGEN_DST_L2_PREFETCH=2,2,1 --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
+  else
+    step d_ab 240 python3 tools/device_ab_define.py "$URI" --define "$DEF=0,1" \
+      --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
+    step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=1"
+    grep -E "^\| (score|output)|^bs" "$OUT/d_trace.log"
+  fi
+  grep -E "^\||equal|differ|DIFFER" "$OUT/d_ab.log" | tail -16
+  step d_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
+  step d_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
   wait
-  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/pp_memcheck.log" "$OUT/pp_racecheck.log"
+  grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/d_memcheck.log" "$OUT/d_racecheck.log"
 elif [ "$MODE" = trace ]; then
   # where a dimsplit_t step's cycles go, per warp role (tools/dst_trace.py: the MLAGEN_DST_TRACE build's waits timed
   # with %clock64), for URI's shipped step and its ping-pong step, at CONTEXTS x BATCHES; first, beside their build,

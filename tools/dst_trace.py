@@ -12,6 +12,7 @@ both CTAs and the role's warps:
   epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span).
 
     python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
+        [--per-warp]
 
 The clock reads add a few instructions per wait, so the traced build is a little slower than the shipped one;
 the bench, not this, gives µs. Builds go to $MLAGEN_ABLATE_DIR as tools/device_ab_define.py's do.
@@ -55,18 +56,18 @@ def parse(text: str) -> list[dict]:
     return rows
 
 
-def summarize(launches: list[list[dict]]) -> list[dict]:
-    """Per role, the mean over every launch but the first (unless there is one), both CTAs and the role's warps:
-    cycles per sub-tile of the loop span and of each wait slot, before / after cycles, GHz. Raises ValueError when
-    a launch printed no line (not a MLAGEN_DST_TRACE build, or the printf buffer overflowed)."""
+def summarize(launches: list[list[dict]], per_warp: bool = False) -> list[dict]:
+    """Per role (per_warp: per role and warp index), the mean over every launch but the first (unless there is
+    one), both CTAs and the role's warps: cycles per sub-tile of the loop span and of each wait slot, before / after
+    cycles, GHz. Raises ValueError when a launch printed no line (not a MLAGEN_DST_TRACE build, or the printf buffer
+    overflowed)."""
     if not launches or any(not rows for rows in launches):
         raise ValueError("a launch printed no dst_trace line: is the module built with MLAGEN_DST_TRACE=1?")
     use = launches[1:] if len(launches) > 1 else launches
     out = []
-    for role in ("score", "output"):
-        rows = [r for rows in use for r in rows if r["role"] == role]
-        if not rows:
-            continue
+    groups = sorted({(r["role"] != "score", r["role"], r["warp"] if per_warp else -1) for rows in use for r in rows})
+    for _, role, warp in groups:
+        rows = [r for rows in use for r in rows if r["role"] == role and warp in (-1, r["warp"])]
         per = []
         for r in rows:
             span = r["cycles"] - r["before"] - r["after"]
@@ -75,7 +76,7 @@ def summarize(launches: list[list[dict]]) -> list[dict]:
                             ghz=r["cycles"] / max(r["ns"], 1), sub=r["sub"]))
         mean = lambda key: statistics.fmean(p[key] for p in per)  # noqa: E731
         waits = [statistics.fmean(p["wait"][i] for p in per) for i in range(4)]
-        out.append(dict(role=role, warps=len({(r["cta"], r["warp"]) for r in rows}), sub=mean("sub"),
+        out.append(dict(role=role if warp < 0 else f"{role} warp {warp}", warps=len({(r["cta"], r["warp"]) for r in rows}), sub=mean("sub"),
                         loop=mean("loop"), wait=waits, busy=mean("loop") - sum(waits), before=mean("before"),
                         after=mean("after"), ghz=mean("ghz")))
     return out
@@ -109,6 +110,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--launches", type=int, default=4, help="launches per shape (the first is not averaged)")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a further define of the build")
+    ap.add_argument("--per-warp", action="store_true", help="a row per warp index instead of per role")
     a = ap.parse_args()
     defines = [("MLAGEN_DST_TRACE", "1")]
     for d in a.define:
@@ -138,14 +140,14 @@ def main() -> int:
             for _ in range(a.launches):
                 text = capture_fd1(lambda: k(pr.q, pr.kv_cache, pr.block_table, pr.kv_lens, **pr.kernel_args()))
                 launches.append(parse(text))
-            rows = summarize(launches)
+            rows = summarize(launches, a.per_warp)
             print(f"\nbs {bs} ctx {ctx}: {k.num_splits(bs)} splits; cycles per sub-tile (mean of "
                   f"{len(launches) - 1 or 1} launches, both CTAs of the first cluster)")
             print("| role | warps | sub-tiles | cycles / sub-tile | wait: stage | wait 2 | wait 3 | wait 4 | busy | "
                   "before | after | GHz |")
             print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for r in rows:
-                names = WAITS[r["role"]]
+                names = WAITS[r["role"].split()[0]]
                 w = " | ".join(f"{x:.0f} ({n})" for x, n in zip(r["wait"][1:], names[1:]))
                 print(f"| {r['role']} | {r['warps']} | {r['sub']:.0f} | {r['loop']:.0f} | {r['wait'][0]:.0f} | {w} | "
                       f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
