@@ -5,7 +5,7 @@
 With quick-verify (any fourth argument without "="), the variant's quick verification set instead of the shape.
 NAME=VALUE arguments build a diagnostic module with ``#define NAME VALUE`` ahead of the rendered source, as
 tools/device_ab_define.py does (built under $MLAGEN_ABLATE_DIR, never into the registry), e.g. racecheck of a
-diagnostic schedule: compute-sanitizer --tool racecheck python3 tools/device_profile.py URI 0 0 quick MLAGEN_DST_PINGPONG=1
+diagnostic build: compute-sanitizer --tool racecheck python3 tools/device_profile.py URI 0 0 quick MLAGEN_DST_HALF_K=9
 """
 import sys
 from pathlib import Path

@@ -23,21 +23,19 @@
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
-#   pingpong: [URI=..] the ping-pong diagnostic build of a dimsplit_t tile (MLAGEN_DST_PINGPONG=1, perf-notes v27): its
-#         quick verification (a failure or hang stops the call), the A/B against the shipped build (outputs bit for
-#         bit first; with and without the L2 prefetch), then memcheck and racecheck of it ≈ 6 min.
-#   diag: DEF=NAME [URI=..] a dimsplit_t diagnostic build with #define NAME 1: as pingpong, with the A/B against 0 and
-#         the build's cycle trace (tools/dst_trace.py) ≈ 6 min.
+#   diag: DEF=NAME [URI=..] a dimsplit_t diagnostic build with #define NAME 1: its quick verification (a failure or
+#         hang stops the call), its A/B against the shipped build (outputs bit for bit first), its cycle trace
+#         (tools/dst_trace.py), memcheck and racecheck ≈ 4 min.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
-#         (tools/dst_trace.py), shipped and ping-pong; KTESTS' GPU tests and SAN_URIS' sanitizers first ≈ 6 min.
+#         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
-  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|pingpong|diag|trace) ;;
-  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, pingpong, diag, trace)" >&2
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|diag|trace) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, diag, trace)" >&2
      exit 2 ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
@@ -158,55 +156,42 @@ elif [ "$MODE" = dst_bench ]; then
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log" | tail -30
   grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
   grep -hE "^L2 -> SM" "$OUT/bench_native.log"
-elif [ "$MODE" = pingpong ] || [ "$MODE" = diag ]; then
-  # a dimsplit_t diagnostic build: DEF=1 (pingpong: MLAGEN_DST_PINGPONG), its quick verification (a failure or hang
-  # stops the call), the A/B against the shipped build (outputs bit for bit first; pingpong: with and without the L2
-  # prefetch), its per-role cycle trace (diag; tools/dst_trace.py), then memcheck and racecheck of it
+elif [ "$MODE" = diag ]; then
+  # a dimsplit_t diagnostic build with DEF=1: its quick verification (a failure or hang stops the call), the A/B
+  # against the shipped build (outputs bit for bit first), its per-role cycle trace (tools/dst_trace.py), then
+  # memcheck and racecheck of it
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  DEF=${DEF:-MLAGEN_DST_PINGPONG}
-  [ "$MODE" = pingpong ] && DEF=MLAGEN_DST_PINGPONG
+  [ -n "${DEF:-}" ] || { echo "diag: give DEF=NAME (a diagnostic define)"; exit 2; }
   step d_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1"
   tail -14 "$OUT/d_verify.log"
   if grep -q FAIL "$OUT/d_verify.log" || ! grep -q "^ok" "$OUT/d_verify.log"; then
-    echo "$MODE: the quick verification failed or did not finish: stop"; exit 1
+    echo "diag: the quick verification failed or did not finish: stop"; exit 1
   fi
-  if [ "$MODE" = pingpong ]; then
-    step d_ab 240 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_PINGPONG=0,1,1 \
-      --define MLAGEN_DST_L2_PREFETCH=2,2,1 --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
-  else
-    step d_ab 240 python3 tools/device_ab_define.py "$URI" --define "$DEF=0,1" \
-      --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
-    step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=1"
-    grep -E "^\| (score|output)|^bs" "$OUT/d_trace.log"
-  fi
+  step d_ab 240 python3 tools/device_ab_define.py "$URI" --define "$DEF=0,1" \
+    --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
   grep -E "^\||equal|differ|DIFFER" "$OUT/d_ab.log" | tail -16
+  step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=1"
+  grep -E "^\| (score|output)|^bs" "$OUT/d_trace.log"
   step d_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
   step d_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
   wait
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/d_memcheck.log" "$OUT/d_racecheck.log"
 elif [ "$MODE" = trace ]; then
   # where a dimsplit_t step's cycles go, per warp role (tools/dst_trace.py: the MLAGEN_DST_TRACE build's waits timed
-  # with %clock64), for URI's shipped step and its ping-pong step, at CONTEXTS x BATCHES; first, beside their build,
-  # the GPU tests of KTESTS (pytest -k on tests/test_kernel_gpu.py) and memcheck + racecheck of SAN_URIS, when given
-  # (~6 min with the other-row-count tests)
+  # with %clock64), for URI at CONTEXTS x BATCHES; first the GPU tests of KTESTS (pytest -k on
+  # tests/test_kernel_gpu.py) and memcheck + racecheck of SAN_URIS, when given (~6 min with the other-row-count tests)
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   if [ -n "${KTESTS:-}" ]; then
-    step pytest_k "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS" &
+    step pytest_k "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
+    grep -E "passed|failed|Error|assert" "$OUT/pytest_k.log" | tail -8
   fi
-  step trace_build 300 python3 tools/device_ab_define.py "$URI" --define MLAGEN_DST_TRACE=1,1 \
-    --define MLAGEN_DST_PINGPONG=0,1 --build-only
-  wait
-  [ -n "${KTESTS:-}" ] && grep -E "passed|failed|Error|assert" "$OUT/pytest_k.log" | tail -8
   for u in ${SAN_URIS:-}; do
     step "memcheck_$u" 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick &
     step "racecheck_$u" 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick &
     wait
   done
-  for pp in 0 1; do
-    step "trace_pp$pp" 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
-      --batches "${BATCHES:-1,4}" --define MLAGEN_DST_PINGPONG=$pp
-    grep -E "^\||^bs|Error" "$OUT/trace_pp$pp.log" | grep -v "^|---" | tail -12
-  done
+  step trace 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" --batches "${BATCHES:-1,4}"
+  grep -E "^\||^bs|Error" "$OUT/trace.log" | grep -v "^|---" | tail -12
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +

@@ -6,8 +6,8 @@ both CTAs and the role's warps:
 
 - cycles per sub-tile between the warp's first sub-tile and the end of its last one, and how many of them it spent
   inside each wait: the stage's copies (full), the peer CTA's scores (score warps) or the P^T buffer (output
-  warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps), the pair
-  barrier (output warps of MLAGEN_DST_PINGPONG builds); "busy" is the rest;
+  warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps); "busy" is
+  the rest;
 - the cycles before the first sub-tile (the score warps' Q loads, the first stage) and after the last (row sums,
   epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span).
 
@@ -43,7 +43,7 @@ LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (
                   r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
-         "output": ("stage", "pair barrier", "P^T", "-")}
+         "output": ("stage", "-", "P^T", "-")}
 
 
 def parse(text: str) -> list[dict]:

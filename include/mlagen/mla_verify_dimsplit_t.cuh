@@ -104,25 +104,6 @@
 #define MLAGEN_DST_HALF_K 0
 #endif
 
-// MLAGEN_DST_PINGPONG 0 (every shipped build): the v12-v26 score step (the softmax of step j interleaved with the last
-// K steps of step j + 1). 1: a diagnostic build of a ping-pong step (perf-notes v27): a score step runs all 18 K steps
-// of j + 1, then receives j, sends j + 1 and runs the softmax of j on its own; the output warp on the same scheduler
-// starts its P V of j - 1 only when that softmax starts (a named barrier per scheduler), so one warp's MMAs fill the
-// tensor pipe while the other runs its non-MMA work. bf16 only; built and compile-checked, not yet timed.
-#ifndef MLAGEN_DST_PINGPONG
-#define MLAGEN_DST_PINGPONG 0
-#endif
-
-// MLAGEN_DST_OUT_SOFTMAX 0 (every shipped build): the score warps run the softmax (v12-v27). N in 1..9: a diagnostic
-// build (perf-notes v28) in which a score warp writes the summed scores of sub-tile j (its half plus the peer's, masked)
-// back into its exchange slot and the 4 output warps run the softmax: output warp 0, on the scheduler with no score
-// warp, takes the first N of the 9 n8 row tiles and the other three share the rest; each writes its rows' P^T and
-// rescale factors, the 4 meet at a named barrier, release the exchange slots to the peer, then run P V as before.
-// bf16, 3 score warps, one exchange buffer.
-#ifndef MLAGEN_DST_OUT_SOFTMAX
-#define MLAGEN_DST_OUT_SOFTMAX 0
-#endif
-
 // MLAGEN_DST_TRACE 0 (every shipped build): 1: a diagnostic build that times each consumer warp's waits with %clock64
 // and prints, for the first cluster of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
@@ -243,11 +224,6 @@ struct MlaDimSplitTConfig {
   // The combine folded into this kernel when the launch's grid is co-resident (mla_verify_merge.cuh, perf-notes v21;
   // diagnostic builds only: slower than the combine kernel so far).
   static constexpr bool kFusedMerge = MLAGEN_DST_MERGE != 0;
-  // The ping-pong score step (MLAGEN_DST_PINGPONG; diagnostic builds only).
-  static constexpr bool kPingPong = MLAGEN_DST_PINGPONG != 0;
-  // The softmax in the output warps (MLAGEN_DST_OUT_SOFTMAX; diagnostic builds only).
-  static constexpr bool kOutSoftmax = MLAGEN_DST_OUT_SOFTMAX != 0;
-  static constexpr int kOutTiles0 = MLAGEN_DST_OUT_SOFTMAX;  // kOutSoftmax: output warp 0's n8 row tiles
 
   // Warp roles: score warps [0, kScoreWarps), output warps [kScoreWarps, kScoreWarps + kOutWarps), a producer.
   static constexpr int kRowTiles = kRowTiles_;  // score warps, 24 rows (3 n8 tiles) each
@@ -318,9 +294,6 @@ struct MlaDimSplitTConfig {
       dimsplit_t_num_bars(2, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars) * 8;
   static constexpr int kXBufs = MLAGEN_DST_XBUFS != 0 ? MLAGEN_DST_XBUFS : kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
   static_assert(kXBufs == 1 || kXBufs == 2, "MLAGEN_DST_XBUFS must be 0, 1 or 2");
-  static_assert(!kOutSoftmax || (!kKvFp8 && kRowTiles == 3 && kXBufs == 1 && !kPingPong),
-                "MLAGEN_DST_OUT_SOFTMAX: bf16, 3 score warps, one exchange buffer, not with MLAGEN_DST_PINGPONG");
-  static_assert(kOutTiles0 >= 0 && kOutTiles0 <= kRowNTiles, "MLAGEN_DST_OUT_SOFTMAX: 0, or 1..9 tiles of output warp 0");
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
   static constexpr int kNumBars = dimsplit_t_num_bars(kXBufs, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars);
@@ -365,17 +338,13 @@ struct MlaDimSplitTConfig {
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
   static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL_BF16 0)");
-  static_assert(!kPingPong || (!kKvFp8 && kMaskPeel && kStages >= 3),
-                "MLAGEN_DST_PINGPONG: bf16 builds with the peeled score loop and at least 3 stages only (with 2, a score "
-                "warp's next tile would wait for the stage that its paired output warp releases only after the barrier)");
 };
 
 // One CTA's partial: o_part / lse_part of its (row block, split, request), in smem_raw (Cfg::kSmemBytes).
 // Online softmax of one row of a sub-tile's score fragments S^T (n8 tile nt, column parity e: row 2 t4 + e, whose
 // tokens 16 mt + g, + 8 are the 8 lanes of one t4): the max over the step's tokens (registers, then 3 shuffles over
 // those lanes), P = 2^(S scale_log2 - m) in place by one FFMA and one ex2.approx.ftz each (m_run: scaled, log2 units),
-// the row's rescale factor alpha = 2^(m_old - m_new), and this thread's share of the running sum l_run. Used by the
-// score warps, or by the output warps with MLAGEN_DST_OUT_SOFTMAX.
+// the row's rescale factor alpha = 2^(m_old - m_new), and this thread's share of the running sum l_run.
 template <int kM, int kN>
 __device__ __forceinline__ void dimsplit_t_softmax_row(float (&s)[kM][kN][4], int nt, int e, float scale_log2,
                                                        float& m_run, float& l_run, float& alpha) {
@@ -526,12 +495,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     }
   };
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
-  constexpr uint32_t kStatThreads = (Cfg::kOutSoftmax ? Cfg::kOutWarps : Cfg::kConsumerWarps) * 32;
-  static_assert(!Cfg::kOutSoftmax || kAblate == 0, "MLAGEN_DST_OUT_SOFTMAX: no MLAGEN_ABLATE builds");
-  // kPingPong: named barrier kPairBar0 + sw pairs score warp sw with the output warp on its scheduler (warp % 4):
-  // the score warp arrives as the softmax of its step j >= 1 starts, the output warp syncs before its P V of j - 1.
-  constexpr uint32_t kPairBar0 = 2;
-  auto pair_out_warp = [](int sw) { return ((sw - Cfg::kFirstOutWarp) % 4 + 4) % 4; };  // output warp index ow
+  constexpr uint32_t kStatThreads = Cfg::kConsumerWarps * 32;
+
 
   if (warp == Cfg::kProducerWarp) {
     if constexpr (Cfg::kKvFp8) {
@@ -652,7 +617,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
             s[mt][nt][3] += v.w;
           }
       }
-      if constexpr (Cfg::kXBufs == 1 && !(kAblate & kAblateExchange) && !Cfg::kOutSoftmax) {
+      if constexpr (Cfg::kXBufs == 1 && !(kAblate & kAblateExchange)) {
         // The buffer is free for the peer's next send (its reads are done: release at CTA scope, no fence; a
         // release.cluster arrival would add a GPU-scope fence per step).
         __syncwarp();
@@ -681,7 +646,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
             }
           }
       }
-      if (!Cfg::kOutSoftmax && j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in P buffer j % kPBufs
+      if (j >= Cfg::kPBufs) {  // the output warps are done with sub-tile j - kPBufs in P buffer j % kPBufs
         traced(kTraceP, [&] {
           ptx::mbarrier_wait_parity(pempty_bar + j % Cfg::kPBufs, static_cast<uint32_t>(j / Cfg::kPBufs - 1) & 1u);
         });
@@ -754,58 +719,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 #pragma unroll
           for (int e = 0; e < 4; ++e) s_cur[mt][nt][e] = s_next[mt][nt][e];
     };
-    // kPingPong: all K steps of j + 1, receive j (with one exchange buffer the peer's send of j + 1 waits for this
-    // read, so the receive comes before this warp's own send), send j + 1, then the softmax of j on its own, started
-    // by the pair barrier's arrival (the output warp beside this one then runs its P V of j - 1).
-    auto pingpong_step = [&](int j, auto kMaskMode, bool has_next) {
-      if (has_next) {
-        wait_full(j + 1);
-        zero_acc(s_next, s_odd);
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
-        join_chains(s_next, s_odd);
-      }
-      receive_and_mask(j, s_cur, kMaskMode);
-      if (has_next) send_scores(j + 1, s_next);
-      if (j >= 1) ptx::named_barrier_arrive(kPairBar0 + sw, 64);
-      softmax_publish(j);
-      if (has_next) advance_scores();
-    };
-    // kOutSoftmax: S of sub-tile j (masked) back into this warp's exchange slot, for the output warps (pfull counts the
-    // 3 score warps' arrivals); the output warps release the slot to the peer once they have read it.
-    auto store_sum = [&](int j, const Acc& s) {
-      float* xout = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
-#pragma unroll
-      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-          *reinterpret_cast<float4*>(xout + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4) =
-              make_float4(s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3]);
-        }
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: S of j
-    };
     // Step j < num_sub - 1 (after release_stage(j)): the first kHalfK of j + 1's K steps, S of j, then the rest
-    // with the softmax of j (kOutSoftmax: S of j to the output warps, then the rest of the K steps).
+    // with the softmax of j.
     auto score_step = [&](int j, auto kMaskMode) {
-      if constexpr (Cfg::kPingPong) {
-        pingpong_step(j, kMaskMode, true);
-        return;
-      }
-      if constexpr (Cfg::kOutSoftmax) {
-        wait_full(j + 1);
-        zero_acc(s_next, s_odd);
-#pragma unroll
-        for (int ks = 0; ks < kHalfK; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
-        receive_and_mask(j, s_cur, kMaskMode);
-        store_sum(j, s_cur);
-#pragma unroll
-        for (int ks = kHalfK; ks < Cfg::kKSteps; ++ks) mma_kstep(j + 1, ks, s_next, s_odd);
-        join_chains(s_next, s_odd);
-        send_scores(j + 1, s_next);
-        advance_scores();
-        return;
-      }
       float alpha[Cfg::kNTilesS][2];
       wait_full(j + 1);
       zero_acc(s_next, s_odd);
@@ -836,16 +752,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       advance_scores();
     };
     auto last_step = [&](int j) {  // the split's last sub-tile (after release_stage(j))
-      if constexpr (Cfg::kPingPong) {
-        pingpong_step(j, Tested{}, false);
-        return;
-      }
       receive_and_mask(j, s_cur, Tested{});
-      if constexpr (Cfg::kOutSoftmax) {
-        store_sum(j, s_cur);
-      } else {
-        softmax_publish(j);
-      }
+      softmax_publish(j);
     };
     if constexpr (Cfg::kMaskPeel) {
       // Steps [0, j_prefix) hold only prefix keys (all below kv_len): key0 + kSubTile <= prefix_len.
@@ -877,9 +785,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     }
     trace_mark(true);
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
-    // (kOutSoftmax: the output warps hold them)
 #pragma unroll
-    for (int nt = 0; nt < (Cfg::kOutSoftmax ? 0 : Cfg::kNTilesS); ++nt)
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float l = l_run[nt][e];
@@ -894,15 +801,11 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           }
         }
       }
-    if constexpr (!Cfg::kOutSoftmax) ptx::named_barrier_arrive(kStatBar, kStatThreads);
+    ptx::named_barrier_arrive(kStatBar, kStatThreads);
   } else {
     // ---- output warp ow: dims [64 ow, 64 ow + 64) of this CTA's 256 latent dims, every row of the block
     const int ow = warp - Cfg::kFirstOutWarp;
     const int dim0 = ow * Cfg::kDimVWarp;
-    int paired_sw = -1;  // kPingPong: the score warp on this warp's scheduler, if any
-#pragma unroll
-    for (int sw = 0; sw < Cfg::kScoreWarps; ++sw)
-      if (pair_out_warp(sw) == ow) paired_sw = sw;
     // O^T fragments (m16 dims x n8 rows): o[mt][nt][0] = (dim 16 mt + g, row 8 nt + 2 t4), [1] = (.., row + 1),
     // [2] = (dim + 8, row 8 nt + 2 t4), [3] = (dim + 8, row + 1).
     float o[Cfg::kMTilesO][Cfg::kRowNTiles][4];
@@ -948,50 +851,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     if constexpr (Cfg::kKvFp8) {
       for (int i = 0; i < (num_sub < Cfg::kConsStages ? num_sub : Cfg::kConsStages); ++i) convert_tile(i);
     }
-    // kOutSoftmax: the softmax of this warp's n8 row tiles (ow 0, on the scheduler without a score warp: the first
-    // kOutTiles0; ow > 0: a third of the rest, the last ones one more) from the summed scores in the exchange slots,
-    // their P^T and factors, then a barrier of the 4 output warps (every row of P^T written, every slot read) and the
-    // slots' release to the peer.
-    constexpr uint32_t kOutBar = 5;
-    constexpr int kT0 = Cfg::kOutTiles0, kRest = Cfg::kRowNTiles - kT0, kBase = kRest / 3, kExtra = kRest % 3;
-    constexpr int kOtMin = kT0 < kBase ? kT0 : kBase;                       // every output warp's tiles: unconditional
-    constexpr int kOtMax = kT0 > kBase + (kExtra > 0) ? kT0 : kBase + (kExtra > 0);  // (register arrays' size)
-    const int ot_count = ow == 0 ? kT0 : kBase + (ow > 3 - kExtra ? 1 : 0);
-    const int ot0 = ow == 0 ? 0 : kT0 + (ow - 1) * kBase + (ow - 1 > 3 - kExtra ? ow - 1 - (3 - kExtra) : 0);
-    float om_run[kOtMax > 0 ? kOtMax : 1][2], ol_run[kOtMax > 0 ? kOtMax : 1][2];  // per tile and column parity
-#pragma unroll
-    for (int i = 0; i < kOtMax; ++i) {
-      om_run[i][0] = om_run[i][1] = -INFINITY;
-      ol_run[i][0] = ol_run[i][1] = 0.f;
-    }
-    const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    const uint32_t xempty_remote0 = Cfg::kOutSoftmax ? ptx::map_to_cta(ptx::smem_u32(xempty_bar), peer) : 0u;
-    auto out_softmax = [&](int buf) {  // (the first kOtMin tiles unconditional, so their chains interleave)
-#pragma unroll
-      for (int i = 0; i < kOtMax; ++i) {
-        if (i < kOtMin || i < ot_count) {
-          const int tile = ot0 + i, nt = tile % Cfg::kNTilesS;
-          const float* xin = xchg_smem + (tile / Cfg::kNTilesS) * Cfg::kXchgFloatsPerWarp;  // score warp tile / 3
-          float s[Cfg::kMTilesS][1][4];
-#pragma unroll
-          for (int mt = 0; mt < Cfg::kMTilesS; ++mt) {
-            const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
-            s[mt][0][0] = v.x;
-            s[mt][0][1] = v.y;
-            s[mt][0][2] = v.z;
-            s[mt][0][3] = v.w;
-          }
-          float alpha[2];
-          dimsplit_t_softmax_row(s, 0, 0, scale_log2, om_run[i][0], ol_run[i][0], alpha[0]);
-          dimsplit_t_softmax_row(s, 0, 1, scale_log2, om_run[i][1], ol_run[i][1], alpha[1]);
-          dimsplit_t_store_pt<Cfg>(pt_smem, alpha_smem, buf, tile * 8 + 2 * t4, g, s, 0, alpha);
-        }
-      }
-      ptx::named_barrier_sync(kOutBar, Cfg::kOutWarps * 32);
-      // the peer's next send into the slots (release at CTA scope after the barrier, as the score warps' own
-      // arrival does without kOutSoftmax)
-      if (ow == 0 && lane < Cfg::kScoreWarps) ptx::mbarrier_arrive_cluster_cta(xempty_remote0 + 8u * lane);
-    };
     if constexpr (Cfg::kTreeRowsSmem) {  // the request's tree rows for the score warps' masked steps (idle until P)
       if (ow == 0 && masked_split) {
         for (int qi = lane; qi < q_len; qi += 32) tree_smem[qi] = request_tree_row(p, b, qi);
@@ -1005,12 +864,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
       const int buf = j % Cfg::kPBufs;
       traced(kTraceP, [&] { ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u); });
-      if constexpr (Cfg::kPingPong) {  // the paired score warp has started the softmax of j + 1
-        if (paired_sw >= 0 && j + 1 < num_sub) {
-          traced(kTracePeer, [&] { ptx::named_barrier_sync(kPairBar0 + paired_sw, 64); });
-        }
-      }
-      if constexpr (Cfg::kOutSoftmax) out_softmax(buf);
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
       float2 alpha[Cfg::kRowNTiles];
       bool unit = true;
@@ -1060,32 +913,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
       }
       __syncwarp();
-      // P buffer free for sub-tile j + kPBufs (kOutSoftmax: the per-step barrier orders its reuse)
-      if (!Cfg::kOutSoftmax && lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);
+      if (lane == 0) ptx::mbarrier_arrive(pempty_bar + buf);  // P buffer free for sub-tile j + kPBufs
       release_stage(j);
       if constexpr (Cfg::kKvFp8) {
         if (j + Cfg::kConsStages < num_sub) convert_tile(j + Cfg::kConsStages);  // into the stage j just left
       }
     }
     trace_mark(true);
-    if constexpr (Cfg::kOutSoftmax) {  // the row statistics of this warp's tiles (as the score warps' below)
-#pragma unroll
-      for (int i = 0; i < kOtMax; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (i < kOtMin || i < ot_count) {
-            float l = ol_run[i][e];
-            l += __shfl_xor_sync(0xffffffffu, l, 4);
-            l += __shfl_xor_sync(0xffffffffu, l, 8);
-            l += __shfl_xor_sync(0xffffffffu, l, 16);
-            const int rl = (ot0 + i) * 8 + 2 * t4 + e;
-            if (g == 0) {
-              lsum_smem[rl] = l;
-              if (rank == 0 && rl < live_rows) lse_part[rl] = row_lse(om_run[i][e], l);
-            }
-          }
-        }
-    }
     // ---- epilogue: normalized partial O^T of this warp's dims (scores warps' row sums), rows < live_rows
     ptx::named_barrier_sync(kStatBar, kStatThreads);
     using PartialT = typename Cfg::PartialT;
