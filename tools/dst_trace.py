@@ -1,8 +1,8 @@
 """Where a dimsplit_t step's cycles go, per warp role (GPU): the tile built with MLAGEN_DST_TRACE=1
 (include/mlagen/mla_verify_dimsplit_t.cuh), whose consumer warps time their mbarrier waits with %clock64 and print,
-for the first cluster of each launch, one line per warp. This script launches it on one problem per shape, reads
+for every cluster of row block 0 (blockIdx.x < 2: all splits and requests) of each launch, one line per warp. This script launches it on one problem per shape, reads
 those lines (device printf, captured from fd 1) and prints per role the mean over the launches after the first,
-both CTAs and the role's warps:
+those clusters' CTAs and the role's warps:
 
 - cycles per sub-tile between the warp's first sub-tile and the end of its last one, and how many of them it spent
   inside each wait: the stage's copies (full), the peer CTA's scores (score warps) or the P^T buffer (output
@@ -58,7 +58,7 @@ def parse(text: str) -> list[dict]:
 
 def summarize(launches: list[list[dict]], per_warp: bool = False) -> list[dict]:
     """Per role (per_warp: per role and warp index), the mean over every launch but the first (unless there is
-    one), both CTAs and the role's warps: cycles per sub-tile of the loop span and of each wait slot, before / after
+    one), those clusters' CTAs and the role's warps: cycles per sub-tile of the loop span and of each wait slot, before / after
     cycles, GHz. Raises ValueError when a launch printed no line (not a MLAGEN_DST_TRACE build, or the printf buffer
     overflowed)."""
     if not launches or any(not rows for rows in launches):
@@ -142,7 +142,7 @@ def main() -> int:
                 launches.append(parse(text))
             rows = summarize(launches, a.per_warp)
             print(f"\nbs {bs} ctx {ctx}: {k.num_splits(bs)} splits; cycles per sub-tile (mean of "
-                  f"{len(launches) - 1 or 1} launches, both CTAs of the first cluster)")
+                  f"{len(launches) - 1 or 1} launches, every cluster of row block 0)")
             print("| role | warps | sub-tiles | cycles / sub-tile | wait: stage | wait 2 | wait 3 | wait 4 | busy | "
                   "before | after | GHz |")
             print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -105,7 +105,7 @@
 #endif
 
 // MLAGEN_DST_TRACE 0 (every shipped build): 1: a diagnostic build that times each consumer warp's waits with %clock64
-// and prints, for the first cluster of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
+// and prints, for every cluster of row block 0 (blockIdx.x < 2: every split and request) of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
 // cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), and the
 // cycles inside each of its waits (perf-notes v28).
