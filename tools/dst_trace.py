@@ -112,11 +112,15 @@ def main() -> int:
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a further define of the build")
     ap.add_argument("--per-warp", action="store_true", help="a row per warp index instead of per role")
     a = ap.parse_args()
+    if a.launches < 1:
+        sys.exit("--launches must be at least 1")
     defines = [("MLAGEN_DST_TRACE", "1")]
     for d in a.define:
         name, eq, value = d.partition("=")
         if not eq or not name or not value:
             sys.exit(f"--define takes NAME=VALUE, not {d!r}")
+        if name == "MLAGEN_DST_TRACE":
+            sys.exit("--define MLAGEN_DST_TRACE: the trace build sets it itself")
         defines.append((name, value))
     v = Variant.from_uri(a.uri)
     if v.schedule != "dimsplit_t":
