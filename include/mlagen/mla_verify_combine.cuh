@@ -45,17 +45,18 @@ __device__ __forceinline__ float split_weights_in_place(float* w, int first, int
 }
 
 // The last step of merging one output row's split partials (the combine, or the merge in mla_verify_merge.cuh):
-// out[token of row, head of row, dims d..d+3] = acc / wsum in bf16 (0 when no split had a visible key), and with
-// lse_lane (and an lse output) the row's lse = lse_max + log(wsum) (-inf when none had).
+// out[token of row, head of row, dims d0, d0 + 1] = (acc.x, acc.y) / wsum and [dims d1, d1 + 1] = (acc.z, acc.w) /
+// wsum in bf16 (0 when no split had a visible key), and with lse_lane (and an lse output) the row's
+// lse = lse_max + log(wsum) (-inf when none had).
 template <int kHeads>
-__device__ __forceinline__ void store_merged_row(const MlaVerifyParams& p, int b, int row, int d, const float4& acc,
-                                                 float wsum, float lse_max, bool lse_lane) {
+__device__ __forceinline__ void store_merged_row(const MlaVerifyParams& p, int b, int row, int d0, int d1,
+                                                 const float4& acc, float wsum, float lse_max, bool lse_lane) {
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   const int qi = row / kHeads, h = row % kHeads;
   const int64_t tok = static_cast<int64_t>(b) * p.q_len + qi;
-  __nv_bfloat16* out_row = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + d;
-  *reinterpret_cast<__nv_bfloat162*>(out_row) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(out_row + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  __nv_bfloat16* out_d0 = p.out + tok * p.out_stride_tok + static_cast<int64_t>(h) * p.out_stride_head + d0;
+  *reinterpret_cast<__nv_bfloat162*>(out_d0) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(out_d0 + (d1 - d0)) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   if (p.lse != nullptr && lse_lane) p.lse[tok * p.lse_stride_tok + h] = wsum > 0.f ? lse_max + logf(wsum) : -INFINITY;
 }
 
@@ -79,7 +80,8 @@ struct CombineShape {
 
 // Grid (kRowsMax * kChunks, bs), kCombineThreads threads. Block x = row * kChunks + chunk, so the CTAs of one
 // row read adjacent columns of the same partial rows. PartialT: the element type of o_part (float, or
-// __nv_bfloat16 for shipped dimsplit_t builds: MLAGEN_DST_PARTIAL_BF16, mla_verify_partial_store.cuh).
+// __nv_bfloat16 for shipped dimsplit_t builds: MLAGEN_DST_PARTIAL_BF16, mla_verify_partial_store.cuh); bf16 partials
+// in the paired layout (kPartialPaired) go to their dims in the final store.
 template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks, typename PartialT = float>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const MlaVerifyParams p) {
   using Shape = CombineShape<kDimV, kChunks>;
@@ -151,7 +153,13 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(con
 #pragma unroll
     for (int g = 0; g < kGroups - 1; ++g) add_float4(acc, acc_smem[g][lane]);
   }
-  store_merged_row<kHeads>(p, b, row, d, acc, wsum, lse_max, chunk == 0 && tid == 0);
+  if constexpr (kPartialPaired<PartialT>) {  // positions d .. d + 3 hold dims lo, lo + 8, lo + 1, lo + 9
+    const int lo = paired_partial_dim_lo(d);
+    store_merged_row<kHeads>(p, b, row, lo, lo + 8, make_float4(acc.x, acc.z, acc.y, acc.w), wsum, lse_max,
+                             chunk == 0 && tid == 0);
+  } else {
+    store_merged_row<kHeads>(p, b, row, d, d + 2, acc, wsum, lse_max, chunk == 0 && tid == 0);
+  }
 }
 
 // Dim chunks per row for a launch of num_splits splits: more CTAs per row when each row has many partials.

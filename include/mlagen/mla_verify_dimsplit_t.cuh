@@ -23,7 +23,8 @@
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
 //   epilogue       the output warps store the normalized O^T from registers to o_part, in bf16
-//                  (mla_verify_partial_store.cuh; MLAGEN_DST_PARTIAL_BF16 0: fp32).
+//                  (mla_verify_partial_store.cuh; MLAGEN_DST_PARTIAL_BF16 0: fp32, 2: a fragment's dims g and g + 8
+//                  side by side, one 4-byte store per pair).
 // Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
 // shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
 // (~106 KB of ldmatrix per 16 tokens per CTA with its Q steps), against ~45 KB here (3 score warps read K,
@@ -936,8 +937,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           PartialT* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
 #pragma unroll
           for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
-            store_partial1(o_row + mt * 16 + g, o[mt][nt][e] * inv_l);
-            store_partial1(o_row + mt * 16 + g + 8, o[mt][nt][2 + e] * inv_l);
+            if constexpr (kPartialPaired<PartialT>) {  // dims 16 mt + g, + 8: one 4-byte store
+              store_partial_pair(o_row + mt * 16, g, o[mt][nt][e] * inv_l, o[mt][nt][2 + e] * inv_l);
+            } else {
+              store_partial1(o_row + mt * 16 + g, o[mt][nt][e] * inv_l);
+              store_partial1(o_row + mt * 16 + g + 8, o[mt][nt][2 + e] * inv_l);
+            }
           }
         }
       }

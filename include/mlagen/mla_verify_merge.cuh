@@ -149,7 +149,8 @@ __device__ __forceinline__ void merge_partials(const MlaVerifyParams& p, unsigne
     if (active && sg == 0) {
       float4 acc = acc_all[warp * 32 + lane];
       for (int gi = 1; gi < groups; ++gi) add_float4(acc, acc_all[(warp + gi) * 32 + lane]);
-      store_merged_row<kHeads>(p, b, r, cb * 128 + lane * 4, acc, wsum, lse_max, cb == 0 && lane == 0);
+      store_merged_row<kHeads>(p, b, r, cb * 128 + lane * 4, cb * 128 + lane * 4 + 2, acc, wsum, lse_max,
+                               cb == 0 && lane == 0);
     }
     __syncthreads();  // acc_all and the weights are reused by the next pass
   }

@@ -34,7 +34,7 @@ struct MlaVerifyParams {
   int64_t block_table_rows, block_table_cols;
   const uint8_t* tree_qlen_mask;
   // workspace: o_part [bs, num_splits, rows_max, 512] (fp32, or bf16 in the region's first half for dimsplit_t
-  // builds with MLAGEN_DST_PARTIAL_BF16 1: mla_verify_partial_store.cuh), lse_part [bs, num_splits, rows_max] fp32
+  // builds with MLAGEN_DST_PARTIAL_BF16 1 or 2: mla_verify_partial_store.cuh), lse_part [bs, num_splits, rows_max] fp32
   float* o_part;
   float* lse_part;
   // out: [bs * q_len, H, 512] bf16; lse: [bs * q_len, H] fp32 (may be null)

@@ -12,18 +12,22 @@
 // partials fill the first half of the o_part region, and lse_part stays where it was.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 
 #include "mlagen/ptx.cuh"
 
-// MLAGEN_DST_PARTIAL_BF16 1 (every shipped build): dimsplit_t writes bf16 partials, each output-warp lane storing its
-// fragments' values as 2-byte scalars from registers; 0: fp32 (v21; the fused merge's builds, which read fp32). Other
-// schedules write fp32. On an H200 bf16 measured 0.966-1.000x of fp32 (docs/perf-notes.md v22); staging the rows
-// through the idle ring for 16-byte stores (fp32 or bf16) and pairing adjacent dims by a shuffle for 4-byte stores
-// measured slower than either (code at commit 8c5a9db).
+// MLAGEN_DST_PARTIAL_BF16 1 (every shipped build): dimsplit_t writes bf16 partials in dim order, each output-warp lane
+// storing its fragments' values as 2-byte scalars from registers; 2: bf16 in the paired layout below, two values per
+// 4-byte store (measured 0.972-0.999x of 1 with bit-identical outputs, docs/perf-notes.md v29; the default once its
+// whole GPU test set has passed); 0: fp32 (v21; the fused merge's builds, which read fp32). Other schedules write
+// fp32. On an H200 bf16 in dim order measured 0.966-1.000x of fp32 (v22); staging the rows through the idle ring for
+// 16-byte stores (fp32 or bf16) and pairing adjacent dims by a shuffle for 4-byte stores measured slower than either
+// (code at commit 8c5a9db).
 #ifndef MLAGEN_DST_PARTIAL_BF16
 #define MLAGEN_DST_PARTIAL_BF16 1
 #endif
+static_assert(MLAGEN_DST_PARTIAL_BF16 >= 0 && MLAGEN_DST_PARTIAL_BF16 <= 2, "MLAGEN_DST_PARTIAL_BF16 must be 0, 1 or 2");
 
 namespace mlagen {
 
@@ -47,5 +51,25 @@ __device__ __forceinline__ float4 load_partial4(const __nv_bfloat16* src) {
 // One partial value (round to nearest even for bf16).
 __device__ __forceinline__ void store_partial1(float* dst, float v) { *dst = v; }
 __device__ __forceinline__ void store_partial1(__nv_bfloat16* dst, float v) { *dst = __float2bfloat16_rn(v); }
+
+// The paired layout of bf16 partials (MLAGEN_DST_PARTIAL_BF16 2): in every 16-dim group of a partial row, dims i and
+// i + 8 (i < 8) sit side by side at positions 2 i and 2 i + 1. Those are the two values one lane holds of an
+// mma.sync m16n8 accumulator column (rows g and g + 8 of the m16 tile: PTX ISA, "Matrix Fragments for mma.m16n8k16",
+// C / D layout), i.e. of the dimsplit_t output warps' O^T tile (m16 = 16 output dims), so a lane stores both with one
+// 4-byte store and a warp's store covers whole 32-byte sectors (8 lanes x 4 bytes per row). Only the combine reads
+// o_part; it undoes the permutation (paired_partial_dim_lo).
+template <class PartialT>
+inline constexpr bool kPartialPaired = std::is_same_v<PartialT, __nv_bfloat16> && MLAGEN_DST_PARTIAL_BF16 == 2;
+
+// Dims i and i + 8 of the 16-dim group at group_row (a partial row + 16 m), i = g, rounded to bf16 (nearest even),
+// with one 4-byte store at positions 2 g, 2 g + 1.
+__device__ __forceinline__ void store_partial_pair(__nv_bfloat16* group_row, int g, float v_lo, float v_hi) {
+  *reinterpret_cast<uint32_t*>(group_row + 2 * g) = ptx::pack_bf16x2(v_lo, v_hi);
+}
+
+// The output dims of the four partial values at positions pos .. pos + 3 of a row (pos a multiple of 4) in the paired
+// layout, as two pairs of consecutive dims: positions (pos, pos + 2) hold dims d_lo, d_lo + 1 and (pos + 1, pos + 3)
+// dims d_lo + 8, d_lo + 9.
+__device__ __forceinline__ int paired_partial_dim_lo(int pos) { return (pos & ~15) + (pos & 15) / 2; }
 
 }  // namespace mlagen
