@@ -398,6 +398,74 @@ def test_shipped_dimsplit_t_runs_the_combine_kernel():
     assert not k.module.fused_merge and k.merge_counters(ws) == 0
 
 
+# dimsplit_t tiles built with bf16 partials in dim order (MLAGEN_DST_PARTIAL_BF16 1) and in the accumulator
+# fragment's pair order (2): H8 q9 tree (st4, the shipped tile; and page size 64 st3), H16 two clusters, H1 q5 causal
+# (one score warp, 5 of 24 rows live), H64 q2 no mask (the second cluster 56 rows live), q_len 1 causal st4, e4m3 st2
+PAIRED_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+               "mla_verify_h8_q9_kv512_rope64_ps64_ns7_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90",
+               "mla_verify_h16_q9_kv512_rope64_ps64_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+               "mla_verify_h1_q5_kv512_rope64_ps16_ns8_lw128_bn32_w6_rt1_st2_dimsplit_t_causal_bf16_sm120_sm90",
+               "mla_verify_h64_q2_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_none_bf16_sm120_sm90",
+               "mla_verify_h8_q1_kv512_rope64_ps1_nsauto_lw128_bn32_w6_rt1_st4_dimsplit_t_causal_bf16_sm120_sm90",
+               "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90"]
+
+
+@pytest.fixture(scope="module")
+def paired_kernels(tmp_path_factory):
+    """Per PAIRED_URIS entry, (dim-order build, paired build): MLAGEN_DST_PARTIAL_BF16 1 and 2 for this GPU's arch
+    (outside the registry), compiled in parallel."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlagen.codegen import render_variant
+    from mlagen.ninja_gen import compile_diagnostic
+    from mlagen.ops import VerifyKernel
+    from mlagen.spec import Variant
+
+    major, minor = torch.cuda.get_device_capability()
+    out_dir = tmp_path_factory.mktemp("paired")
+
+    def build(job):
+        uri, layout = job
+        v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
+        mod = f"{v.build_key}_partial_bf16_{layout}"
+        src = f"#define MLAGEN_DST_PARTIAL_BF16 {layout}\n" + render_variant(v, mod)
+        return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
+
+    jobs = [(uri, layout) for uri in PAIRED_URIS for layout in (1, 2)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        built = list(pool.map(build, jobs))
+    return [(built[2 * i], built[2 * i + 1]) for i in range(len(PAIRED_URIS))]
+
+
+@pytest.mark.parametrize("i", range(len(PAIRED_URIS)))
+def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
+    """The paired partial layout (MLAGEN_DST_PARTIAL_BF16 2, include/mlagen/mla_verify_partial_store.cuh) moves where
+    each bf16 partial sits, not its value or the combine's summation order: on fresh random inputs (NaN in every slot
+    no request reads, a padded request of kv_len 0) its out and lse are bit-identical to the dim-order build's, finite
+    where a key is visible, and the paired build passes the verify cases against the reference (the full set, with
+    128k and a pool past 4 GiB, for the shipped H8 tile; the quick set for the others)."""
+    from mlagen.cases import make_fp8_problem, make_problem
+
+    dim_order, paired = paired_kernels[i]
+    v = paired.variant
+    lens = [9, 40, 4099, 0, 65536] if v.nsplit == "auto" else [9, 40, 4099, 0]
+    p = (make_fp8_problem(v, lens, special=True, device="cuda") if v.dtype == "fp8_e4m3"
+         else make_problem(v, lens, device="cuda"))
+    outs = []
+    for k in (dim_order, paired):
+        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        outs.append((out, lse))
+    torch.cuda.synchronize()
+    live = torch.repeat_interleave(torch.tensor([L > 0 for L in lens], device="cuda"), v.q_len)
+    assert torch.isfinite(outs[1][0][live].float()).all() and torch.isfinite(outs[1][1][live]).all()
+    assert (outs[1][0][~live] == 0).all() and torch.isneginf(outs[1][1][~live]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _check(paired, quick=i > 0)
+
+
 def test_bad_tensor_raises_before_launch(kernels):
     from mlagen.cases import make_problem
 

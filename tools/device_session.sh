@@ -23,9 +23,11 @@
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
-#   diag: DEF=NAME [URI=..] a dimsplit_t diagnostic build with #define NAME 1: its quick verification (a failure or
-#         hang stops the call), its A/B against the shipped build (outputs bit for bit first), its cycle trace
-#         (tools/dst_trace.py), memcheck and racecheck ≈ 4 min.
+#   diag: DEF=NAME [VAL=1 BASE=0 URI=.. KTESTS=..] a dimsplit_t build with #define NAME VAL: KTESTS' GPU tests
+#         (pytest -k on tests/test_kernel_gpu.py) when given, its quick verification (a failure or hang stops the
+#         call), its A/B against the NAME BASE build (BASE: the shipped value; outputs bit for bit first), its cycle
+#         trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min (+ the tests), e.g. the paired partial layout:
+#         DEF=MLAGEN_DST_PARTIAL_BF16 VAL=2 BASE=1 KTESTS=paired.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
@@ -157,23 +159,28 @@ elif [ "$MODE" = dst_bench ]; then
   grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
   grep -hE "^L2 -> SM" "$OUT/bench_native.log"
 elif [ "$MODE" = diag ]; then
-  # a dimsplit_t diagnostic build with DEF=1: its quick verification (a failure or hang stops the call), the A/B
-  # against the shipped build (outputs bit for bit first), its per-role cycle trace (tools/dst_trace.py), then
-  # memcheck and racecheck of it
+  # a dimsplit_t build with DEF=VAL (default 1): KTESTS' GPU tests when given, its quick verification (a failure or
+  # hang stops the call), the A/B against the DEF=BASE build (default 0; the shipped value), outputs bit for bit
+  # first, its per-role cycle trace (tools/dst_trace.py), then memcheck and racecheck of it
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   [ -n "${DEF:-}" ] || { echo "diag: give DEF=NAME (a diagnostic define)"; exit 2; }
-  step d_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1"
+  VAL=${VAL:-1}; BASE=${BASE:-0}
+  if [ -n "${KTESTS:-}" ]; then
+    step d_pytest "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
+    grep -E "passed|failed|Error|assert" "$OUT/d_pytest.log" | tail -8
+  fi
+  step d_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL"
   tail -14 "$OUT/d_verify.log"
   if grep -q FAIL "$OUT/d_verify.log" || ! grep -q "^ok" "$OUT/d_verify.log"; then
     echo "diag: the quick verification failed or did not finish: stop"; exit 1
   fi
-  step d_ab 240 python3 tools/device_ab_define.py "$URI" --define "$DEF=0,1" \
+  step d_ab 240 python3 tools/device_ab_define.py "$URI" --define "$DEF=$BASE,$VAL" \
     --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
   grep -E "^\||equal|differ|DIFFER" "$OUT/d_ab.log" | tail -16
-  step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=1"
+  step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=$VAL"
   grep -E "^\| (score|output)|^bs" "$OUT/d_trace.log"
-  step d_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
-  step d_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=1" &
+  step d_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL" &
+  step d_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL" &
   wait
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/d_memcheck.log" "$OUT/d_racecheck.log"
 elif [ "$MODE" = trace ]; then
