@@ -442,7 +442,7 @@ def paired_kernels(tmp_path_factory):
 def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     """The paired partial layout (MLAGEN_DST_PARTIAL_BF16 2, include/mlagen/mla_verify_partial_store.cuh) moves where
     each bf16 partial sits, not its value or the combine's summation order: on fresh random inputs (NaN in every slot
-    no request reads, a padded request of kv_len 0) its out and lse are bit-identical to the dim-order build's, finite
+    no request reads, a padded request of kv_len 0; each build's workspace poisoned before its launch) its out and lse are bit-identical to the dim-order build's, finite
     where a key is visible, and the paired build passes the verify cases against the reference (the full set, with
     128k and a pool past 4 GiB, for the shipped H8 tile; the quick set for the others)."""
     from mlagen.cases import make_fp8_problem, make_problem
@@ -454,9 +454,11 @@ def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
          else make_problem(v, lens, device="cuda"))
     outs = []
     for k in (dim_order, paired):
+        ws = k.alloc_workspace(len(lens), "cuda")
+        ws[16:].view(torch.int32).fill_(-1)  # partials poisoned (NaN as fp32 or bf16): only this launch's are read
         out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
         outs.append((out, lse))
     torch.cuda.synchronize()
     live = torch.repeat_interleave(torch.tensor([L > 0 for L in lens], device="cuda"), v.q_len)

@@ -23,11 +23,11 @@
 #   fixed: [DST_URI=..] ncu durations of the partial and combine kernels at 4k-128k bs1 (warm caches) and the warp
 #         states of the 4k partial kernel: where the per-call cost that does not scale with context goes
 #         (docs/perf-notes.md v13) ≈ 3 min.
-#   diag: DEF=NAME [VAL=1 BASE=0 URI=.. KTESTS=..] a dimsplit_t build with #define NAME VAL: KTESTS' GPU tests
-#         (pytest -k on tests/test_kernel_gpu.py) when given, its quick verification (a failure or hang stops the
-#         call), its A/B against the NAME BASE build (BASE: the shipped value; outputs bit for bit first), its cycle
-#         trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min (+ the tests), e.g. the paired partial layout:
-#         DEF=MLAGEN_DST_PARTIAL_BF16 VAL=2 BASE=1 KTESTS=paired.
+#   diag: DEF=NAME [VAL=1 BASE=0 URI=..] a dimsplit_t build with #define NAME VAL: its quick verification (a
+#         failure or hang stops the call), its A/B against the NAME BASE build (give BASE = the define's shipped
+#         value; outputs bit for bit first), its cycle trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min;
+#         with KTESTS=.. only those GPU tests (pytest -k on tests/test_kernel_gpu.py), in a call of their own. E.g.
+#         the paired partial layout: KTESTS=paired first, then DEF=MLAGEN_DST_PARTIAL_BF16 VAL=2 BASE=1.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
@@ -159,16 +159,18 @@ elif [ "$MODE" = dst_bench ]; then
   grep -hE "^\| [0-9]" "$OUT/bench_ps64_h8.log" "$OUT/bench_ps64_h64.log"
   grep -hE "^L2 -> SM" "$OUT/bench_native.log"
 elif [ "$MODE" = diag ]; then
-  # a dimsplit_t build with DEF=VAL (default 1): KTESTS' GPU tests when given, its quick verification (a failure or
-  # hang stops the call), the A/B against the DEF=BASE build (default 0; the shipped value), outputs bit for bit
-  # first, its per-role cycle trace (tools/dst_trace.py), then memcheck and racecheck of it
-  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  [ -n "${DEF:-}" ] || { echo "diag: give DEF=NAME (a diagnostic define)"; exit 2; }
-  VAL=${VAL:-1}; BASE=${BASE:-0}
+  # with KTESTS: only those GPU tests (they build their own modules; a call of their own). Else a dimsplit_t build
+  # with DEF=VAL (default 1): its quick verification (a failure or hang stops the call), the A/B against the
+  # DEF=BASE build (default 0; give the define's shipped value), outputs bit for bit first, its per-role cycle trace
+  # (tools/dst_trace.py), then memcheck and racecheck of it
   if [ -n "${KTESTS:-}" ]; then
-    step d_pytest "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
+    step d_pytest "${TEST_LIMIT:-540}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
     grep -E "passed|failed|Error|assert" "$OUT/d_pytest.log" | tail -8
+    exit 0
   fi
+  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  [ -n "${DEF:-}" ] || { echo "diag: give DEF=NAME (a diagnostic define), or KTESTS=.."; exit 2; }
+  VAL=${VAL:-1}; BASE=${BASE:-0}
   step d_verify 240 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL"
   tail -14 "$OUT/d_verify.log"
   if grep -q FAIL "$OUT/d_verify.log" || ! grep -q "^ok" "$OUT/d_verify.log"; then
