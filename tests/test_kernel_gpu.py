@@ -280,9 +280,10 @@ MERGE_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_di
               "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90"]
 
 
-@pytest.fixture(scope="module")
-def merge_kernels(tmp_path_factory):
-    """The MERGE_URIS built with MLAGEN_DST_MERGE 1 for this GPU's arch (outside the registry), in parallel."""
+def _build_with_defines(jobs, out_dir):
+    """Per (uri, defines) job, a VerifyKernel of the variant compiled for this GPU's arch with ``#define NAME VALUE``
+    for each (NAME, VALUE) of defines ahead of the rendered source (outside the registry; the module name says the
+    defines), compiled in parallel."""
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
@@ -292,16 +293,23 @@ def merge_kernels(tmp_path_factory):
     from mlagen.spec import Variant
 
     major, minor = torch.cuda.get_device_capability()
-    out_dir = tmp_path_factory.mktemp("merge")
 
-    def build(uri):
+    def build(job):
+        uri, defines = job
         v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
-        mod = f"{v.build_key}_merge1"
-        src = "#define MLAGEN_DST_MERGE 1\n#define MLAGEN_DST_PARTIAL_BF16 0\n" + render_variant(v, mod)  # merge reads fp32
+        mod = v.build_key + "".join(f"_{name.lower()}_{value}" for name, value in defines)
+        src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
         return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
 
-    with ThreadPoolExecutor(max_workers=len(MERGE_URIS)) as pool:
-        return list(pool.map(build, MERGE_URIS))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(build, jobs))
+
+
+@pytest.fixture(scope="module")
+def merge_kernels(tmp_path_factory):
+    """The MERGE_URIS built with MLAGEN_DST_MERGE 1 for this GPU's arch (outside the registry), in parallel."""
+    merge = (("MLAGEN_DST_MERGE", 1), ("MLAGEN_DST_PARTIAL_BF16", 0))  # the merge reads fp32 partials
+    return _build_with_defines([(uri, merge) for uri in MERGE_URIS], tmp_path_factory.mktemp("merge"))
 
 
 @pytest.mark.parametrize("i", range(len(MERGE_URIS)))
@@ -414,27 +422,8 @@ PAIRED_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_d
 def paired_kernels(tmp_path_factory):
     """Per PAIRED_URIS entry, (dim-order build, paired build): MLAGEN_DST_PARTIAL_BF16 1 and 2 for this GPU's arch
     (outside the registry), compiled in parallel."""
-    import dataclasses
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlagen.codegen import render_variant
-    from mlagen.ninja_gen import compile_diagnostic
-    from mlagen.ops import VerifyKernel
-    from mlagen.spec import Variant
-
-    major, minor = torch.cuda.get_device_capability()
-    out_dir = tmp_path_factory.mktemp("paired")
-
-    def build(job):
-        uri, layout = job
-        v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
-        mod = f"{v.build_key}_partial_bf16_{layout}"
-        src = f"#define MLAGEN_DST_PARTIAL_BF16 {layout}\n" + render_variant(v, mod)
-        return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
-
-    jobs = [(uri, layout) for uri in PAIRED_URIS for layout in (1, 2)]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        built = list(pool.map(build, jobs))
+    jobs = [(uri, (("MLAGEN_DST_PARTIAL_BF16", layout),)) for uri in PAIRED_URIS for layout in (1, 2)]
+    built = _build_with_defines(jobs, tmp_path_factory.mktemp("paired"))
     return [(built[2 * i], built[2 * i + 1]) for i in range(len(PAIRED_URIS))]
 
 
@@ -442,9 +431,10 @@ def paired_kernels(tmp_path_factory):
 def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     """The paired partial layout (MLAGEN_DST_PARTIAL_BF16 2, include/mlagen/mla_verify_partial_store.cuh) moves where
     each bf16 partial sits, not its value or the combine's summation order: on fresh random inputs (NaN in every slot
-    no request reads, a padded request of kv_len 0; each build's workspace poisoned before its launch) its out and lse are bit-identical to the dim-order build's, finite
-    where a key is visible, and the paired build passes the verify cases against the reference (the full set, with
-    128k and a pool past 4 GiB, for the shipped H8 tile; the quick set for the others)."""
+    no request reads, a padded request of kv_len 0; each build's workspace poisoned before its launch) its out and
+    lse are bit-identical to the dim-order build's, finite where a key is visible, and the paired build passes the
+    verify cases against the reference (the full set, with 128k and a pool past 4 GiB, for the shipped H8 tile; the
+    quick set for the others)."""
     from mlagen.cases import make_fp8_problem, make_problem
 
     dim_order, paired = paired_kernels[i]
