@@ -34,6 +34,31 @@ def gpu_arch():
     return arch
 
 
+@pytest.fixture(scope="session")
+def build_native(gpu_arch):
+    """``build_native(spec_dict)`` -> [BuiltVariant]: the spec's variants that are feasible on its archs (the default
+    sm_120 + sm_90, so the same set a CPU build selects), each compiled for this GPU's arch only. A GPU test runs that
+    arch's code and no other, so it need not wait for nvcc's pass for the other arch; the sm_120 fit of every variant
+    is still decided on the spec's archs, and every ``mlagen build`` and the CPU build tests check it on sm_120 code.
+
+    Raises:
+        mlagen.build.BuildError: a selected variant failed to build (as ``build_variants``).
+    """
+    import dataclasses
+
+    from mlagen.build import build_variants
+    from mlagen.feasibility import split_feasible
+    from mlagen.spec import parse_spec
+
+    def build(spec: dict):
+        feasible, _ = split_feasible(parse_spec(spec).variants())
+        assert feasible, f"spec {spec.get('name')} has no feasible variant"
+        uris = ",".join(dataclasses.replace(v, archs=(gpu_arch,)).uri for v in feasible)
+        return build_variants(dict(spec, arch=[gpu_arch]), kernels=uris)
+
+    return build
+
+
 @pytest.fixture
 def cache_env(tmp_path, monkeypatch):
     """Fresh MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR under tmp_path."""

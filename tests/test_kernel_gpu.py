@@ -118,19 +118,23 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    return _LazyKernels()
+def kernels(build_native):
+    return _LazyKernels(build_native)
 
 
 class _LazyKernels(dict):
-    """SPECS key -> built kernels, built on first use (so `-k k2_w4` builds only that spec)."""
+    """SPECS key -> built kernels (compiled for this GPU's arch: conftest.build_native), built on first use (so
+    `-k k2_w4` builds only that spec)."""
+
+    def __init__(self, build_native):
+        super().__init__()
+        self.build_native = build_native
 
     def __missing__(self, key):
-        from mlagen.build import build_variants
         from mlagen.ops import VerifyKernel
 
         specs = SPECS[key] if isinstance(SPECS[key], list) else [SPECS[key]]
-        self[key] = [VerifyKernel(b.variant, b.so_path) for spec in specs for b in build_variants(spec)]
+        self[key] = [VerifyKernel(b.variant, b.so_path) for spec in specs for b in self.build_native(spec)]
         assert self[key], f"spec {key} built no variant"
         return self[key]
 

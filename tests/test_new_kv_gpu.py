@@ -32,13 +32,12 @@ SPECS = [
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def kernels(build_native):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from mlagen.build import build_variants
     from mlagen.ops import VerifyKernel
 
-    ks = [VerifyKernel(b.variant, b.so_path) for spec in SPECS for b in build_variants(spec)]
+    ks = [VerifyKernel(b.variant, b.so_path) for spec in SPECS for b in build_native(spec)]
     assert len(ks) == 8 and all(k.has_new_kv for k in ks)
     return ks
 
@@ -190,18 +189,17 @@ _FP8_NEW_KV_TILES = {  # the e4m3 schedules: dimsplit (converter warps), dimspli
 
 
 @pytest.mark.parametrize("schedule", sorted(_FP8_NEW_KV_TILES))
-def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3(schedule):
+def test_new_kv_fp8_cache_reads_bf16_drafts_and_stores_e4m3(schedule, build_native):
     """On an e4m3 cache (dtype fp8_e4m3) the draft tokens come from k_new in bf16 (not rounded to e4m3:
     SGLang's Triton verify reads them from k the same way) and are stored quantized as SGLang's write
     casts them (torch float8_e4m3fn: round to nearest even); the prefix is the cache's e4m3 values."""
-    from mlagen.build import build_variants
     from mlagen.cases import make_fp8_problem
     from mlagen.ops import VerifyKernel
     from mlagen.reference import dequantize_e4m3, mla_verify_reference
 
     spec = dict(name=f"gpu_newkv_fp8_{schedule}", heads_per_rank=8, q_len=9, page_size=16, nsplit="auto", mask="tree",
                 schedule=schedule, block_n=32, load_width=128, dtype="fp8_e4m3", **_FP8_NEW_KV_TILES[schedule])
-    (k,) = [VerifyKernel(b.variant, b.so_path) for b in build_variants(spec)]
+    (k,) = [VerifyKernel(b.variant, b.so_path) for b in build_native(spec)]
     v = k.variant
     for lens in ([v.q_len + 1000, v.q_len + 37, 0, v.q_len], [v.q_len + 20_000]):
         p = make_fp8_problem(v, lens, as_bytes=True, device="cuda")

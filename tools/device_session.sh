@@ -114,7 +114,7 @@ elif [ "$MODE" = dst ]; then
   # builds and the shipped builds' combine path; direct batches and draft rows), memcheck and racecheck of
   # DST_URI, racecheck of DST_FP8_URI when set (an e4m3 dimsplit_t uri); the bench is `dst_bench`
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  T="python3 -m pytest -m gpu -q -rs"
+  T="python3 -m pytest -m gpu -q -rs --durations=12"  # the slowest tests and fixtures (builds) in each log
   step pytest_dst 500 $T tests/test_kernel_gpu.py \
     -k "dimsplit_t_full or (equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
   step pytest_dst_fp8 500 $T tests/test_kernel_gpu.py \
@@ -164,7 +164,7 @@ elif [ "$MODE" = diag ]; then
   # DEF=BASE build (default 0; give the define's shipped value), outputs bit for bit first, its per-role cycle trace
   # (tools/dst_trace.py), then memcheck and racecheck of it
   if [ -n "${KTESTS:-}" ]; then
-    step d_pytest "${TEST_LIMIT:-540}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
+    step d_pytest "${TEST_LIMIT:-540}" python3 -m pytest -m gpu -q -rs --durations=12 tests/test_kernel_gpu.py -k "$KTESTS"
     grep -E "passed|failed|Error|assert" "$OUT/d_pytest.log" | tail -8
     exit 0
   fi
@@ -191,7 +191,7 @@ elif [ "$MODE" = trace ]; then
   # tests/test_kernel_gpu.py) and memcheck + racecheck of SAN_URIS, when given (~6 min with the other-row-count tests)
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   if [ -n "${KTESTS:-}" ]; then
-    step pytest_k "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs tests/test_kernel_gpu.py -k "$KTESTS"
+    step pytest_k "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rs --durations=12 tests/test_kernel_gpu.py -k "$KTESTS"
     grep -E "passed|failed|Error|assert" "$OUT/pytest_k.log" | tail -8
   fi
   for u in ${SAN_URIS:-}; do
