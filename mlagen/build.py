@@ -207,16 +207,19 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
         on_progress(prog)
     if todo:
         with ninja_gen.sigterm_as_interrupt(), ExitStack() as stack:
-            for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
-                lock_path = owned.record(paths.lock_dir() / f"{j.key}.lock")
-                lock = FileLock(str(lock_path))
-                try:
-                    lock.acquire(timeout=0)
-                except Timeout:
-                    if on_wait:
-                        on_wait(j.key, lock_path)
-                    lock.acquire()
-                stack.callback(lock.release)
+            try:
+                for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
+                    lock_path = owned.record(paths.lock_dir() / f"{j.key}.lock")
+                    lock = FileLock(str(lock_path))
+                    try:
+                        lock.acquire(timeout=0)
+                    except Timeout:
+                        if on_wait:
+                            on_wait(j.key, lock_path)
+                        lock.acquire()
+                    stack.callback(lock.release)
+            except KeyboardInterrupt as e:  # a signal while waiting for another process's build: nothing compiled here
+                raise BuildInterrupted([], e) from e
             hits, still = _split_registered(reg, todo)  # second check: another process may have built it
             built += hits
             if hits:
@@ -237,8 +240,10 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
 def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_progress, reg: Registry):
     tag = hashlib.sha256("\n".join(sorted(j.key for j in jobs_)).encode()).hexdigest()[:12]
     top = paths.generated_dir() / f"build_{spec.name}_{tag}.ninja"  # per target set: concurrent builds don't collide
-    for name in (top.name, ".ninja_log", ".ninja_deps"):  # ninja keeps its log next to the top file
-        owned.record(top.parent / name)
+    owned.record(top)
+    logs = owned.ensure_dir(top.parent / ninja_gen.NINJA_BUILDDIR)  # ninja's builddir (top_ninja)
+    for name in (".ninja_log", ".ninja_deps"):
+        owned.record(logs / name)
     codegen.write_if_changed(top, ninja_gen.top_ninja([j.variants[0] for j in jobs_]))
     targets = [str(j.outputs["so"]) for j in jobs_]
     by_key = {j.key: j for j in jobs_}
@@ -287,7 +292,7 @@ def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
     if reason:
         return [], [(v, reason) for v in j.variants]
     dest = owned.record(_installed_so(j.key, j.source_hash))
-    owned.record_glob(dest.parent, f"*{ninja_gen.ext_suffix()}.tmp*")  # left by an interrupted copy
+    owned.record_glob(dest.parent, f"*{ninja_gen.ext_suffix()}.tmp[0-9]*")  # left by an interrupted copy
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.copyfile(j.outputs["so"], tmp)
     os.replace(tmp, dest)

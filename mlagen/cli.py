@@ -384,7 +384,7 @@ def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
 def _uris_for(spec_path: str | None, kernels: str | None, max_variants: int | None = None) -> list[str]:
     from mlagen.registry import Registry
 
-    reg = Registry()
+    reg = Registry(create=False)
     if spec_path:
         spec = _spec(spec_path, max_variants)
         uris = [v.uri for v in filter_by_glob(spec.variants(), kernels) if reg.get_variant(v.uri)]
@@ -417,15 +417,20 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool, max_variants
               help="Comma-separated context lengths (default 4096,16384,65536).")
 @click.option("--batches", callback=lambda _c, _p, v: _ints(v), metavar="N,N,...",
               help="Comma-separated batch sizes (default 1,4).")
-@click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG.")
+@click.option("--plot", metavar="PNG", help="Also write time vs context to this image (.png, .pdf, .svg; an existing "
+              "file only if it is a PNG mlagen wrote).")
 @_max_variants_option
 def bench(spec_path: str | None, kernels: str | None, contexts: list[int] | None, batches: list[int] | None,
           plot: str | None, max_variants: int | None) -> None:
     """Time verified variants (CUDA graph replay, median) and name the fastest per shape."""
     if spec_path is not None:
         _spec(spec_path, max_variants)  # a missing or invalid SPEC is reported before the GPU check
-    if plot is not None and not Path(plot).resolve().parent.is_dir():
-        raise click.BadParameter(f"directory of {short_repr(plot)} does not exist", param_hint="'--plot'")
+    if plot is not None:
+        from mlagen.plot import plot_path_problem
+
+        why = plot_path_problem(plot)
+        if why:
+            raise click.BadParameter(why, param_hint="'--plot'")
     ok, why = _gpu_available()  # after click has validated every option (--contexts, --batches)
     if not ok:
         raise click.ClickException(f"bench needs a GPU: {why}")
@@ -459,7 +464,7 @@ def list_(kernels: str | None, fmt: str) -> None:
     """Built variants: per-arch registers / smem / spills, verify status, best time."""
     from mlagen.registry import Registry
 
-    reg = Registry()
+    reg = Registry(create=False)
     rows = []
     for r in reg.variants(kernels):
         res = r["resources"]
@@ -514,7 +519,7 @@ def show(uri: str) -> None:
 
     from mlagen.registry import Registry
 
-    reg = Registry()
+    reg = Registry(create=False)
     row = reg.get_variant(uri)
     if row is None:
         hint = ""
@@ -560,7 +565,7 @@ def _clean_summary(planned: list[Path]) -> list[str]:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clean(all_: bool, yes: bool) -> None:
     """Delete the generated sources mlagen wrote (with --all also its cache). Only files mlagen recorded
-    as its own are deleted; anything else in those directories stays, whatever its name."""
+    as its own are deleted; anything else in those directories stays (see mlagen.owned)."""
     roots = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
     planned = list(dict.fromkeys(p for r in roots for p in owned.plan(r)))
     lines = _clean_summary(planned)
@@ -604,12 +609,12 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_
     """Install the fastest verified variant of each shape bucket of SPEC (or the --uri variants) as SGLang's `mlagen` backend."""
     from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
     from mlagen.registry import Registry
-    from mlagen.sglang_plugin.installed import InstalledStateError, read_installed, write_installed
+    from mlagen.sglang_plugin.installed import InstalledStateError, installed_path, read_installed, write_installed
 
     if not spec_path and not uris:
         raise click.ClickException("give a SPEC or at least one --uri")
     arch = _server_arch(arch)
-    reg = Registry()
+    reg = Registry(create=False)
     if spec_path and uris:
         raise click.ClickException("give a SPEC or --uri, not both")
     try:
@@ -625,11 +630,11 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_
         old = read_installed()
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
+    owned.record(installed_path())  # before the write (a new file): `mlagen clean --all` removes it
     try:
         path = write_installed(merge_state(old, entries, arch))
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
-    owned.record(path)  # `mlagen clean --all` removes it
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")
@@ -660,10 +665,18 @@ def status() -> None:
 
 @main.command()
 def uninstall() -> None:
-    """Remove the installed state (SGLang's `mlagen` backend will then refuse to start)."""
-    from mlagen.sglang_plugin.installed import clear_installed, installed_path
+    """Remove the installed state (SGLang's `mlagen` backend will then refuse to start): installed.json, when mlagen
+    wrote it (recorded in the cache's manifest) or it is of mlagen's format; another file of that name stays."""
+    from mlagen.sglang_plugin.installed import InstalledStateError, clear_installed, installed_path, read_installed
 
-    console.print(f"removed {installed_path()}" if clear_installed() else "nothing was installed")
+    path = installed_path()
+    if os.path.lexists(path) and not owned.is_recorded(path):
+        try:
+            read_installed(path)
+        except InstalledStateError:
+            raise click.ClickException(f"{path} was not written by mlagen and is not an mlagen installed state: "
+                                       "left in place (move it away to uninstall)") from None
+    console.print(f"removed {path}" if clear_installed(path) else "nothing was installed")
 
 
 if __name__ == "__main__":

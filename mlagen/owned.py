@@ -6,7 +6,10 @@ names mlagen does not choose, e.g. nvcc's ``-keep`` files), and the line ``.`` w
 directory itself. :func:`clean` deletes the listed files, descends only into listed directories that
 carry a manifest of their own, then deletes the manifest, and the directory itself only when mlagen
 created it and nothing else is left in it. Files mlagen did not record (anything a user put there)
-are never touched, whatever their name.
+are never touched. Two limits: a file already present when mlagen would first record it is someone
+else's and stays unrecorded (:func:`record`); and a glob line (nvcc's ``-keep`` files of one module in
+that module's own ``keep/`` directory, an interrupted copy's ``*.so.tmp*`` in ``lib/``) covers whatever
+matches it in those mlagen-made directories.
 """
 
 from __future__ import annotations
@@ -66,13 +69,24 @@ def ensure_dir(d: str | os.PathLike) -> Path:
     return d
 
 
+def is_recorded(path: str | os.PathLike) -> bool:
+    """Whether ``path``'s directory manifest lists it (by name, or by a glob line that matches it)."""
+    path = Path(path)
+    for line in _entries(path.parent):
+        if line == path.name or (_glob.has_magic(line) and line not in (_CREATED, MANIFEST)
+                                 and "/" not in line and path.match(line)):
+            return True
+    return False
+
+
 def record(path: str | os.PathLike) -> Path:
-    """Note that mlagen wrote (or is about to write) ``path`` (a file, or a directory made by
-    :func:`ensure_dir`) in its directory's manifest; a no-op outside the cache and generated roots.
-    Returns ``path``."""
+    """Note that mlagen is about to write ``path`` (a file, or a directory made by :func:`ensure_dir`) in its
+    directory's manifest; a no-op outside the cache and generated roots. Call it before the write: a path that
+    already exists and is not recorded is someone else's (e.g. a user's file of the same name), so it stays out of
+    the manifest and ``mlagen clean`` never deletes it. Returns ``path``."""
     path = Path(path)
     ensure_dir(path.parent)
-    if _under_roots(path.parent):
+    if _under_roots(path.parent) and not (os.path.lexists(path) and not is_recorded(path)):
         _append(path.parent, path.name)
     return path
 

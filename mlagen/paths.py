@@ -26,15 +26,16 @@ def env(name: str) -> str | None:
 
 
 def cache_dir() -> Path:
-    """Root of mlagen's cache (env ``MLAGEN_CACHE_DIR``)."""
-    return Path(env("MLAGEN_CACHE_DIR") or Path.home() / ".cache" / "mlagen").expanduser()
+    """Root of mlagen's cache (env ``MLAGEN_CACHE_DIR``; a relative one is taken from the current directory and made
+    absolute, so the module paths the registry and installed.json keep are valid from any directory)."""
+    return Path(env("MLAGEN_CACHE_DIR") or Path.home() / ".cache" / "mlagen").expanduser().absolute()
 
 
 def generated_dir() -> Path:
     """Where rendered sources and per-variant build.ninja files go (env ``MLAGEN_GENERATED_DIR``)."""
     env_dir = env("MLAGEN_GENERATED_DIR")
     if env_dir:
-        return Path(env_dir).expanduser()
+        return Path(env_dir).expanduser().absolute()  # ninja runs in this directory: relative paths would break
     if (REPO_DIR / "pyproject.toml").exists():
         return REPO_DIR / "generated"
     return cache_dir() / "generated"

@@ -2,6 +2,55 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+PNG_SOFTWARE = "mlagen"  # the PNG "Software" text of every plot mlagen writes: a later run may replace that file
+
+
+def _png_software(path: Path) -> str | None:
+    """The "Software" tEXt value of a PNG file (PNG spec, section 11.3.4.3), or None (not a PNG / no such chunk)."""
+    try:
+        data = path.read_bytes()[:1 << 20]
+    except OSError:
+        return None
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
+    i = 8
+    while i + 8 <= len(data):
+        n, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
+        if kind == b"tEXt":
+            key, _, value = data[i + 8:i + 8 + n].partition(b"\0")
+            if key == b"Software":
+                return value.decode("latin-1")
+        if kind in (b"IDAT", b"IEND"):
+            return None
+        i += 12 + n
+    return None
+
+
+def plot_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot take a plot (checked before any timing), or None when it can.
+
+    The name must end in an image format matplotlib writes (.png, .pdf, .svg, ...) and its directory must exist. An
+    existing file is replaced only when it is a PNG that mlagen wrote (its "Software" text is :data:`PNG_SOFTWARE`);
+    any other existing file is someone else's and is never overwritten.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    p = Path(path)
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = p.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        return f"{path!r} does not end in an image format ({', '.join('.' + f for f in ('png', 'pdf', 'svg'))}, ...)"
+    if not p.resolve().parent.is_dir():
+        return f"the directory of {path!r} does not exist"
+    if p.is_dir():
+        return f"{path!r} is a directory"
+    if os.path.lexists(p) and (suffix != "png" or _png_software(p) != PNG_SOFTWARE):
+        return f"{path!r} exists and mlagen did not write it: choose another name or move it away"
+    return None
+
 
 def plot_time_vs_context(series: dict[str, list[tuple[int, float]]], path: str, title: str,
                          floor: list[tuple[int, float]] | None = None) -> None:
@@ -9,7 +58,7 @@ def plot_time_vs_context(series: dict[str, list[tuple[int, float]]], path: str, 
 
     Args:
         series: kernel label -> [(context tokens, µs)].
-        path: PNG file to write.
+        path: image file to write (its suffix picks the format; a PNG is tagged with :data:`PNG_SOFTWARE`).
     """
     import matplotlib
 
@@ -32,7 +81,8 @@ def plot_time_vs_context(series: dict[str, list[tuple[int, float]]], path: str, 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = Path(path).suffix.lower() == ".png"
+    fig.savefig(path, dpi=120, metadata={"Software": PNG_SOFTWARE} if png else None)
     plt.close(fig)
 
 

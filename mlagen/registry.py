@@ -37,17 +37,27 @@ CREATE TABLE IF NOT EXISTS bench_runs (id INTEGER PRIMARY KEY AUTOINCREMENT, at 
 class Registry:
     """Thin wrapper over one sqlite3 database file; safe across processes (sqlite's own locking)."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, *, create: bool = True):
+        """Open (``create``: create when missing) the registry at ``path`` (default :func:`mlagen.paths.registry_path`).
+
+        With ``create=False`` a missing file is read as an empty registry and nothing is written to disk (the read-only
+        commands: ``list``, ``show``, ``install``'s lookup), so a mistyped uri on a fresh machine leaves no cache behind.
+        """
         from mlagen import owned
 
         self.path = Path(path) if path else paths.registry_path()
+        self._empty = not create and not self.path.exists()
+        if self._empty:
+            return
         owned.record(self.path)  # `mlagen clean --all` deletes it (and only files recorded so)
         with self._conn() as c:
             c.executescript(_SCHEMA)
 
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(self.path, timeout=60)
+        conn = sqlite3.connect(":memory:" if self._empty else self.path, timeout=60)
+        if self._empty:
+            conn.executescript(_SCHEMA)
         conn.row_factory = sqlite3.Row
         try:
             with conn:

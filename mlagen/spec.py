@@ -365,7 +365,8 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
         _check_dims(vals)
     name = data.get("name") or (Path(source).stem if source != "<dict>" else "spec")
     if not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise SpecError(f"spec key 'name': {short_repr(name)} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
+        what = "spec key 'name'" if data.get("name") else f"spec name (no 'name' key: taken from the file name {short_repr(Path(source).name)})"
+        raise SpecError(f"{what}: {short_repr(name)} not allowed; allowed: letters, digits, '_', '-', '.' (it names files)")
     return Spec(name=name, kernel=kernel, values=values, archs=archs, source=source, sweeps=sweeps)
 
 
@@ -426,11 +427,34 @@ def _check_dims(values: Mapping[str, tuple]) -> None:
                 )
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (no tags beyond plain YAML), refusing a key given twice in one mapping: PyYAML would keep
+    the last silently, so ``heads_per_rank: 8`` above ``heads_per_rank: 16`` would build H 16 without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeConstructor reports it
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
+                                                            key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_spec(path: str | Path) -> Spec:
-    """Read and validate a YAML spec file (``yaml.safe_load``).
+    """Read and validate a YAML spec file (PyYAML's SafeLoader, with a key given twice in one mapping refused).
 
     Raises:
-        SpecError: unreadable file, YAML syntax error, or any validation error of :func:`parse_spec`.
+        SpecError: unreadable file, YAML syntax error, a duplicated key, nesting deeper than Python's recursion
+            limit, or any validation error of :func:`parse_spec`.
     """
     path = Path(path)
     try:
@@ -440,13 +464,18 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError:
         raise SpecError(f"cannot read spec {path}: not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError(f"spec {path}: invalid YAML{where}: {what}") from None
-    return parse_spec(data, source=str(path))
+    except RecursionError:
+        raise SpecError(f"spec {path}: nested too deeply to read") from None
+    try:
+        return parse_spec(data, source=str(path))
+    except RecursionError:
+        raise SpecError(f"spec {path}: a value is nested too deeply") from None
 
 
 def uri_globs(pattern: str | None) -> list[str] | None:

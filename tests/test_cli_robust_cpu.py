@@ -100,7 +100,8 @@ def test_empty_env_means_unset_and_clean_keeps_unrecorded_dirs(tmp_path, monkeyp
     monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "gen"))
     r = CliRunner().invoke(main, ["list"])
     assert r.exit_code == 0, r.output
-    assert not (work / "registry.sqlite").exists() and (home / ".cache" / "mlagen" / "registry.sqlite").exists()
+    assert str(home / ".cache" / "mlagen") in r.output.replace("\n", "")  # "0 variants built in <the default cache>"
+    assert not (work / "registry.sqlite").exists() and not (home / ".cache").exists()  # `list` writes nothing
     r = CliRunner().invoke(main, ["clean", "--all", "--yes"])
     assert r.exit_code == 0, r.output
     assert (work / "lib" / "keep.c").read_text() == "x" and (work / "generated" / "notes.txt").read_text() == "y"
@@ -351,3 +352,143 @@ def test_signal_whose_exception_is_lost_still_stops_ninja(tmp_path):
     while time.monotonic() < deadline and _procs_mentioning("sleep 61.37"):
         time.sleep(0.1)
     assert not _procs_mentioning("sleep 61.37"), "the hung compile was left running"
+
+
+# ---- a file that already had the name of one of mlagen's is someone else's; relative and spaced directories
+
+def test_files_named_like_mlagens_stay_untouched(fake_cuda, tmp_path):
+    """A user's registry.sqlite, installed.json or ninja log of the same name as mlagen's is never recorded, so neither
+    `clean --all` nor `uninstall` deletes it, and a build does not write ninja's log over one (ninja's builddir)."""
+    cache, gen = tmp_path / "cache", tmp_path / "generated"
+    cache.mkdir()
+    gen.mkdir()
+    user = {cache / "registry.sqlite": "my data", gen / ".ninja_log": "my log", gen / ".ninja_deps": "my deps"}
+    for p, text in user.items():
+        p.write_text(text)
+    runner = CliRunner()
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0, r.output
+    (cache / "registry.sqlite").rename(tmp_path / "registry.mine")  # out of the way for a build
+    r = runner.invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    assert (gen / ninja_gen.NINJA_BUILDDIR / ".ninja_log").exists()
+    (tmp_path / "registry.mine").rename(tmp_path / "registry.mine.txt")
+    installed = cache / "installed.json"
+    installed.write_text('{"my": "settings"}')
+    r = runner.invoke(main, ["uninstall"])
+    assert r.exit_code == 1 and "was not written by mlagen" in _one_error_line(r)
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert installed.read_text() == '{"my": "settings"}'
+    assert (gen / ".ninja_log").read_text() == "my log" and (gen / ".ninja_deps").read_text() == "my deps"
+    assert not (gen / ninja_gen.NINJA_BUILDDIR).exists() and not list(cache.rglob("*.so"))
+    # an installed.json of mlagen's format that no manifest lists (e.g. copied from another machine) may go
+    installed.write_text('{"mlagen_version": "0", "arch": "sm_90", "entries": []}')
+    r = runner.invoke(main, ["uninstall"])
+    assert r.exit_code == 0 and not installed.exists(), r.output
+
+
+def test_relative_and_spaced_cache_and_generated_dirs(fake_cuda, tmp_path, monkeypatch):
+    """Relative MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR are taken from the current directory and kept absolute (ninja
+    runs in the generated directory; the registry's module paths hold from anywhere); spaces in them reach nvcc as one
+    word each (the rule's shell quoting)."""
+    work = tmp_path / "work dir"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", "my cache")
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", "gen 7")
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    assert "built 8 variants" in r.output
+    from mlagen.registry import Registry
+
+    sos = [Path(row["so_path"]) for row in Registry().variants()]
+    assert len(sos) == 8 and all(p.is_absolute() and p.is_relative_to(work / "my cache") for p in sos)
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("work dir", "cuda", "fk.yaml")]  # nothing beside
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(work / "my cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(work / "gen 7"))
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0 and "built 8 variants (8 cached)" in r.output, r.output
+
+
+def test_spec_input_errors_are_one_line(tmp_path):
+    """A key given twice (PyYAML would keep the last), nesting past Python's recursion limit, and a file name that
+    cannot name a spec: each a one-line error that says which."""
+    cases = {"dup.yaml": ("name: d\nheads_per_rank: 8\nq_len: 9\npage_size: 1\nheads_per_rank: 16\n",
+                          "key 'heads_per_rank' given twice"),
+             "deep.yaml": ("name: deep\nq_len: 9\npage_size: 1\nheads_per_rank: " + "[" * 5000 + "8" + "]" * 5000 + "\n",
+                           "nested too deeply"),
+             "my spec.yaml": ("heads_per_rank: 8\nq_len: 9\npage_size: 1\n",
+                              "no 'name' key: taken from the file name 'my spec.yaml'")}
+    for name, (text, want) in cases.items():
+        (tmp_path / name).write_text(text)
+        r = CliRunner().invoke(main, ["generate", str(tmp_path / name)])
+        assert r.exit_code == 1 and want in _one_error_line(r), (name, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)
+
+
+def test_read_only_commands_write_nothing_on_a_fresh_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "gen"))
+    for cmd in (["list"], ["show", "mla_verify_bogus"], ["install", "--arch", "sm_90", "--uri", "mla_verify_bogus"],
+                ["status"], ["uninstall"]):
+        r = CliRunner().invoke(main, cmd)
+        assert "Traceback" not in r.output and (r.exit_code == 0 or _one_error_line(r)), (cmd, r.output)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_home_without_nvcc_is_one_line(fake_cuda, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-such-toolkit"))
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 1
+    assert "CUDA_HOME=" in _one_error_line(r) and "has no bin/nvcc" in r.output
+
+
+def test_bench_plot_path_is_checked_before_anything_runs(tmp_path):
+    """--plot: a name without an image suffix, a missing directory, or an existing file mlagen did not write is a
+    one-line error before the GPU check; a PNG that mlagen wrote (its Software text) may be replaced."""
+    from mlagen.plot import PNG_SOFTWARE, plot_path_problem, plot_time_vs_context
+
+    mine = tmp_path / "user.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\nnot mlagen's")
+    for arg, want in [(tmp_path / "out.txt", "does not end in an image format"),
+                      (tmp_path / "myplot", "does not end in an image format"),
+                      (tmp_path / "nodir" / "a.png", "does not exist"),
+                      (mine, "exists and mlagen did not write it")]:
+        r = CliRunner().invoke(main, ["bench", "--plot", str(arg)])
+        assert r.exit_code == 2 and want in r.output and "Traceback" not in r.output, (arg, r.output)
+    assert mine.read_bytes() == b"\x89PNG\r\n\x1a\nnot mlagen's"
+    ours = tmp_path / "ours.png"
+    plot_time_vs_context({"a": [(4096, 10.0), (16384, 20.0)]}, str(ours), "t")
+    assert plot_path_problem(str(ours)) is None and PNG_SOFTWARE.encode() in ours.read_bytes()
+
+
+def test_signal_while_waiting_for_another_builds_lock(fake_cuda, tmp_path):
+    """SIGTERM while another process holds a module's lock: the interrupted message and exit 143, as during a compile
+    (not click's bare "Aborted!")."""
+    from mlagen.spec import load_spec
+
+    key = load_spec(fake_cuda).variants()[0].build_key
+    lock_path = paths.lock_dir() / f"{key}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)",
+                               str(lock_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, "build", str(fake_cuda), "--compile-only"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        line = ""
+        while "waiting for another build" not in line:
+            line = proc.stdout.readline()
+            assert line, "the build ended before it waited"
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out
+        assert "interrupted (SIGTERM)" in out and "Aborted" not in out and "Traceback" not in out
+    finally:
+        holder.kill()
+        holder.wait()
