@@ -46,7 +46,8 @@ class Registry:
         from mlagen import owned
 
         self.path = Path(path) if path else paths.registry_path()
-        self._empty = not create and not self.path.exists()
+        parent = self.path.parent
+        self._empty = not create and not self.path.exists() and (parent.is_dir() or not parent.exists())
         if self._empty:
             return
         owned.record(self.path)  # `mlagen clean --all` deletes it (and only files recorded so)
