@@ -417,8 +417,8 @@ def verify(spec_path: str | None, kernels: str | None, quick: bool, max_variants
               help="Comma-separated context lengths (default 4096,16384,65536).")
 @click.option("--batches", callback=lambda _c, _p, v: _ints(v), metavar="N,N,...",
               help="Comma-separated batch sizes (default 1,4).")
-@click.option("--plot", metavar="PNG", help="Also write time vs context to this image (.png, .pdf, .svg; an existing "
-              "file only if it is a PNG mlagen wrote).")
+@click.option("--plot", metavar="PNG", help="Also write time vs context to this PNG (an existing file only if mlagen "
+              "wrote it).")
 @_max_variants_option
 def bench(spec_path: str | None, kernels: str | None, contexts: list[int] | None, batches: list[int] | None,
           plot: str | None, max_variants: int | None) -> None:
@@ -609,7 +609,7 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_
     """Install the fastest verified variant of each shape bucket of SPEC (or the --uri variants) as SGLang's `mlagen` backend."""
     from mlagen.install import InstallError, entry_for, merge_state, pick_fastest
     from mlagen.registry import Registry
-    from mlagen.sglang_plugin.installed import InstalledStateError, installed_path, read_installed, write_installed
+    from mlagen.sglang_plugin.installed import InstalledStateError, read_installed, write_installed
 
     if not spec_path and not uris:
         raise click.ClickException("give a SPEC or at least one --uri")
@@ -630,11 +630,11 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_
         old = read_installed()
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
-    owned.record(installed_path())  # before the write (a new file): `mlagen clean --all` removes it
     try:
         path = write_installed(merge_state(old, entries, arch))
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
+    owned.record(path, written=True)  # absent before, or of mlagen's format (read above): `clean --all` removes it
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")
@@ -676,7 +676,9 @@ def uninstall() -> None:
         except InstalledStateError:
             raise click.ClickException(f"{path} was not written by mlagen and is not an mlagen installed state: "
                                        "left in place (move it away to uninstall)") from None
-    console.print(f"removed {path}" if clear_installed(path) else "nothing was installed")
+    removed = clear_installed(path)
+    owned.forget(path)  # a later installed.json of someone else's is not taken for mlagen's
+    console.print(f"removed {path}" if removed else "nothing was installed")
 
 
 if __name__ == "__main__":

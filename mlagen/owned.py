@@ -79,16 +79,34 @@ def is_recorded(path: str | os.PathLike) -> bool:
     return False
 
 
-def record(path: str | os.PathLike) -> Path:
+def record(path: str | os.PathLike, *, written: bool = False) -> Path:
     """Note that mlagen is about to write ``path`` (a file, or a directory made by :func:`ensure_dir`) in its
     directory's manifest; a no-op outside the cache and generated roots. Call it before the write: a path that
     already exists and is not recorded is someone else's (e.g. a user's file of the same name), so it stays out of
-    the manifest and ``mlagen clean`` never deletes it. Returns ``path``."""
+    the manifest and ``mlagen clean`` never deletes it. ``written=True``: mlagen has just written the whole file
+    (e.g. an installed.json of its own format that it rewrote), which is then recorded as mlagen's whatever was
+    there before. Returns ``path``."""
     path = Path(path)
     ensure_dir(path.parent)
-    if _under_roots(path.parent) and not (os.path.lexists(path) and not is_recorded(path)):
+    if _under_roots(path.parent) and (written or not (os.path.lexists(path) and not is_recorded(path))):
         _append(path.parent, path.name)
     return path
+
+
+def forget(path: str | os.PathLike) -> None:
+    """Drop ``path``'s own line from its directory's manifest (mlagen deleted the file), so a later file of that
+    name, someone else's, does not count as mlagen's."""
+    path = Path(path)
+    manifest = path.parent / MANIFEST
+    try:
+        lines = manifest.read_text().splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    kept = [l for l in lines if l.strip() != path.name]
+    if len(kept) != len(lines):
+        tmp = manifest.with_name(f"{MANIFEST}.{os.getpid()}.tmp")
+        tmp.write_text("".join(l + "\n" for l in kept))
+        os.replace(tmp, manifest)
 
 
 def record_glob(directory: str | os.PathLike, pattern: str) -> None:

@@ -30,25 +30,25 @@ def _png_software(path: Path) -> str | None:
 
 
 def plot_path_problem(path: str) -> str | None:
-    """Why ``path`` cannot take a plot (checked before any timing), or None when it can.
+    """Why ``path`` cannot take ``mlagen bench --plot`` (checked before any timing), or None when it can.
 
-    The name must end in an image format matplotlib writes (.png, .pdf, .svg, ...) and its directory must exist. An
-    existing file is replaced only when it is a PNG that mlagen wrote (its "Software" text is :data:`PNG_SOFTWARE`);
-    any other existing file is someone else's and is never overwritten.
+    The name must end in ``.png`` (any case), its directory must exist, and matplotlib (the ``plot`` extra) must be
+    installed. An existing file is replaced only when it is a PNG this mlagen wrote (its "Software" text is
+    :data:`PNG_SOFTWARE`); any other existing file is never overwritten.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     p = Path(path)
-    formats = FigureCanvasAgg.get_supported_filetypes()
-    suffix = p.suffix.lower().lstrip(".")
-    if suffix not in formats:
-        return f"{path!r} does not end in an image format ({', '.join('.' + f for f in ('png', 'pdf', 'svg'))}, ...)"
+    if p.suffix.lower() != ".png":
+        return f"{path!r} does not end in .png"
     if not p.resolve().parent.is_dir():
         return f"the directory of {path!r} does not exist"
     if p.is_dir():
         return f"{path!r} is a directory"
-    if os.path.lexists(p) and (suffix != "png" or _png_software(p) != PNG_SOFTWARE):
-        return f"{path!r} exists and mlagen did not write it: choose another name or move it away"
+    if os.path.lexists(p) and _png_software(p) != PNG_SOFTWARE:
+        return f"{path!r} exists and is not a plot mlagen wrote: choose another name or move it away"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "needs matplotlib: pip install 'mlagen[plot]' (or matplotlib)"
     return None
 
 

@@ -46,8 +46,11 @@ class Registry:
         from mlagen import owned
 
         self.path = Path(path) if path else paths.registry_path()
-        parent = self.path.parent
-        self._empty = not create and not self.path.exists() and (parent.is_dir() or not parent.exists())
+        anc = self.path.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        # a missing file under a directory path (an ancestor that is a file fails below, with the usual hint)
+        self._empty = not create and not self.path.exists() and anc.is_dir()
         if self._empty:
             return
         owned.record(self.path)  # `mlagen clean --all` deletes it (and only files recorded so)

@@ -427,30 +427,38 @@ def _check_dims(values: Mapping[str, tuple]) -> None:
                 )
 
 
-class _SpecLoader(yaml.SafeLoader):
-    """PyYAML's safe loader (no tags beyond plain YAML), refusing a key given twice in one mapping: PyYAML would keep
-    the last silently, so ``heads_per_rank: 8`` above ``heads_per_rank: 16`` would build H 16 without a word."""
+def _check_unique_keys(text: str) -> None:
+    """Refuse a key given twice in one mapping of the YAML ``text`` (PyYAML keeps the last silently, so
+    ``heads_per_rank: 8`` above ``heads_per_rank: 16`` would build H 16 without a word). It walks the composed node
+    graph, before PyYAML flattens merge keys (``<<: *anchor``), so a key that overrides a merged one is allowed.
 
-    def construct_mapping(self, node, deep=False):
+    Raises:
+        yaml.YAMLError: a syntax error, or a key given twice (a ConstructorError with its position).
+    """
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    stack, seen_nodes = [root] if root is not None else [], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:  # an alias is the same node object
+            continue
+        seen_nodes.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+            keys = set()
+            for key_node, value_node in node.value:
+                stack += [key_node, value_node]
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                     continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    dup = key in seen
-                    seen.add(key)
-                except TypeError:  # an unhashable key: SafeConstructor reports it
-                    continue
-                if dup:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
+                key = (key_node.tag, key_node.value)
+                if key in keys:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} given twice",
                                                             key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
+                keys.add(key)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
 
 
 def load_spec(path: str | Path) -> Spec:
-    """Read and validate a YAML spec file (PyYAML's SafeLoader, with a key given twice in one mapping refused).
+    """Read and validate a YAML spec file (``yaml.safe_load``; a key given twice in one mapping is refused first).
 
     Raises:
         SpecError: unreadable file, YAML syntax error, a duplicated key, nesting deeper than Python's recursion
@@ -464,7 +472,8 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError:
         raise SpecError(f"cannot read spec {path}: not UTF-8 text") from None
     try:
-        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader subclass)
+        _check_unique_keys(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -384,10 +384,48 @@ def test_files_named_like_mlagens_stay_untouched(fake_cuda, tmp_path):
     assert installed.read_text() == '{"my": "settings"}'
     assert (gen / ".ninja_log").read_text() == "my log" and (gen / ".ninja_deps").read_text() == "my deps"
     assert not (gen / ninja_gen.NINJA_BUILDDIR).exists() and not list(cache.rglob("*.so"))
+    installed.write_bytes(b"\xff\xfe not text")
+    r = runner.invoke(main, ["uninstall"])
+    assert r.exit_code == 1 and "was not written by mlagen" in _one_error_line(r) and installed.exists()
     # an installed.json of mlagen's format that no manifest lists (e.g. copied from another machine) may go
     installed.write_text('{"mlagen_version": "0", "arch": "sm_90", "entries": []}')
     r = runner.invoke(main, ["uninstall"])
     assert r.exit_code == 0 and not installed.exists(), r.output
+
+
+def test_installed_json_is_mlagens_once_install_writes_it_and_not_after_uninstall(fake_cuda, tmp_path):
+    """install over an installed.json of mlagen's format that no manifest lists makes it mlagen's (so `clean --all`
+    removes it with the modules it names); uninstall forgets the name, so a user's later file of that name is kept."""
+    from mlagen.registry import Registry
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    installed = cache / "installed.json"
+    installed.write_text('{"mlagen_version": "0", "arch": "sm_90", "entries": []}')  # copied from elsewhere
+    runner = CliRunner()
+    r = runner.invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    reg = Registry()
+    uri = reg.variants()[0]["uri"]
+    reg.add_verification(uri=uri, source_hash=reg.get_variant(uri)["source_hash"], device="x", arch="sm_90", cases=1,
+                         max_err=0.0, passed=True)
+    r = runner.invoke(main, ["install", "--arch", "sm_90", "--uri", uri])
+    assert r.exit_code == 0, r.output
+    assert owned.is_recorded(installed)
+    r = runner.invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0 and not installed.exists() and not list(cache.rglob("*.so")), r.output
+    r = runner.invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    reg = Registry()
+    reg.add_verification(uri=uri, source_hash=reg.get_variant(uri)["source_hash"], device="x", arch="sm_90", cases=1,
+                         max_err=0.0, passed=True)
+    r = runner.invoke(main, ["install", "--arch", "sm_90", "--uri", uri])
+    assert r.exit_code == 0 and owned.is_recorded(installed), r.output
+    r = runner.invoke(main, ["uninstall"])
+    assert r.exit_code == 0 and not installed.exists() and not owned.is_recorded(installed), r.output
+    installed.write_text('{"my": "settings"}')
+    for cmd in (["uninstall"], ["clean", "--all", "--yes"]):
+        runner.invoke(main, cmd)
+        assert installed.read_text() == '{"my": "settings"}', cmd
 
 
 def test_relative_and_spaced_cache_and_generated_dirs(fake_cuda, tmp_path, monkeypatch):
@@ -428,6 +466,12 @@ def test_spec_input_errors_are_one_line(tmp_path):
         r = CliRunner().invoke(main, ["generate", str(tmp_path / name)])
         assert r.exit_code == 1 and want in _one_error_line(r), (name, r.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)
+    merged = tmp_path / "merged.yaml"  # a key that overrides a merged one (`<<: *anchor`) is not a duplicate
+    merged.write_text("name: m\nheads_per_rank: 8\npage_size: 1\nsweeps:\n  - &s1 {q_len: 9, mask: tree}\n"
+                      "  - &s2 {<<: *s1, q_len: 4}\n<<: *s2\n")
+    r = CliRunner().invoke(main, ["generate", str(merged)], env={"MLAGEN_GENERATED_DIR": str(tmp_path / "gen"),
+                                                                  "MLAGEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 0 and "2 variants" in r.output, r.output
 
 
 def test_read_only_commands_write_nothing_on_a_fresh_machine(tmp_path, monkeypatch):
@@ -438,6 +482,11 @@ def test_read_only_commands_write_nothing_on_a_fresh_machine(tmp_path, monkeypat
         r = CliRunner().invoke(main, cmd)
         assert "Traceback" not in r.output and (r.exit_code == 0 or _one_error_line(r)), (cmd, r.output)
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "afile").write_text("x")  # a cache path below a file: the usual hint, not an empty registry
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "afile" / "sub"))
+    for cmd in (["list"], ["show", "mla_verify_bogus"]):
+        r = CliRunner().invoke(main, cmd)
+        assert r.exit_code == 1 and "check MLAGEN_CACHE_DIR" in _one_error_line(r), (cmd, r.output)
 
 
 def test_cuda_home_without_nvcc_is_one_line(fake_cuda, tmp_path, monkeypatch):
@@ -454,16 +503,31 @@ def test_bench_plot_path_is_checked_before_anything_runs(tmp_path):
 
     mine = tmp_path / "user.png"
     mine.write_bytes(b"\x89PNG\r\n\x1a\nnot mlagen's")
-    for arg, want in [(tmp_path / "out.txt", "does not end in an image format"),
-                      (tmp_path / "myplot", "does not end in an image format"),
+    for arg, want in [(tmp_path / "out.txt", "does not end in .png"),
+                      (tmp_path / "myplot", "does not end in .png"),
                       (tmp_path / "nodir" / "a.png", "does not exist"),
-                      (mine, "exists and mlagen did not write it")]:
+                      (mine, "exists and is not a plot mlagen wrote")]:
         r = CliRunner().invoke(main, ["bench", "--plot", str(arg)])
         assert r.exit_code == 2 and want in r.output and "Traceback" not in r.output, (arg, r.output)
     assert mine.read_bytes() == b"\x89PNG\r\n\x1a\nnot mlagen's"
-    ours = tmp_path / "ours.png"
+    ours = tmp_path / "ours.PNG"
     plot_time_vs_context({"a": [(4096, 10.0), (16384, 20.0)]}, str(ours), "t")
     assert plot_path_problem(str(ours)) is None and PNG_SOFTWARE.encode() in ours.read_bytes()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    fig.savefig(tmp_path / "theirs.png")  # matplotlib's own "Software" text: someone else's plot
+    plt.close(fig)
+    assert "is not a plot mlagen wrote" in plot_path_problem(str(tmp_path / "theirs.png"))
+
+
+def test_bench_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the `plot` extra not installed: import fails
+    r = CliRunner().invoke(main, ["bench", "--plot", str(tmp_path / "a.png")])
+    assert r.exit_code == 2 and "needs matplotlib" in r.output and "Traceback" not in r.output, r.output
 
 
 def test_signal_while_waiting_for_another_builds_lock(fake_cuda, tmp_path):

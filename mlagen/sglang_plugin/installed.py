@@ -116,6 +116,8 @@ def read_installed(path: str | os.PathLike | None = None) -> dict | None:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError:
+        raise InstalledStateError(f"{p}: not UTF-8 text, so not an mlagen installed state") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
