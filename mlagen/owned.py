@@ -145,8 +145,9 @@ def _plan(d: Path) -> tuple[list[Path], bool]:
 
 
 def plan(root: str | os.PathLike) -> list[Path]:
-    """What :func:`clean` would delete under ``root`` (files first, then directories)."""
-    return _plan(Path(root))[0]
+    """What :func:`clean` would delete under ``root`` (files first, then directories). A root that is a symlink (e.g.
+    ``~/.cache/mlagen`` pointing at a larger disk) is followed; symlinks below it are not."""
+    return _plan(Path(root).resolve() if Path(root).is_symlink() else Path(root))[0]
 
 
 def clean(root: str | os.PathLike) -> list[Path]:

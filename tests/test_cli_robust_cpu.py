@@ -556,3 +556,24 @@ def test_signal_while_waiting_for_another_builds_lock(fake_cuda, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_clean_follows_a_symlinked_cache_root(fake_cuda, tmp_path, monkeypatch):
+    """MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR as symlinks to another disk: `clean --all` still removes what mlagen
+    wrote there, and nothing else."""
+    disk = tmp_path / "disk"
+    (disk / "cache").mkdir(parents=True)
+    (disk / "gen").mkdir()
+    (tmp_path / "cache_link").symlink_to(disk / "cache")
+    (tmp_path / "gen_link").symlink_to(disk / "gen")
+    (disk / "cache" / "notes.txt").write_text("mine")
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache_link"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "gen_link"))
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    assert list((disk / "cache").rglob("*.so"))
+    r = CliRunner().invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0 and "nothing to remove" not in r.output, r.output
+    assert not list((disk / "cache").rglob("*.so")) and not list(disk.rglob(owned.MANIFEST))
+    assert (disk / "cache" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "cache_link").is_symlink() and (tmp_path / "gen_link").is_symlink()
