@@ -302,18 +302,26 @@ def test_terminal_bar_has_totals_before_the_first_module(monkeypatch):
         assert task.total == 8 and task.completed == 2 and "1/4 modules" in task.description
 
 
-def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
-    from filelock import FileLock
-
+def _hold_first_lock(spec_path, seconds):
+    """Another process holding the build lock of the spec's first module for ``seconds``: (its build key, lock path,
+    the holder process), returned once the lock is held."""
     from mlagen.spec import load_spec
 
-    key = load_spec(fake_cuda).variants()[0].build_key
+    key = load_spec(spec_path).variants()[0].build_key
     lock_path = paths.lock_dir() / f"{key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
-                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(1.5)",
-                               str(lock_path)], stdout=subprocess.PIPE, text=True)
+                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); "
+                               "time.sleep(float(sys.argv[2]))", str(lock_path), str(seconds)],
+                              stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
+    return key, lock_path, holder
+
+
+def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
+    from filelock import FileLock
+
+    key, lock_path, holder = _hold_first_lock(fake_cuda, 1.5)
     r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
     holder.wait()
     assert r.exit_code == 0, r.output
@@ -533,16 +541,8 @@ def test_bench_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
 def test_signal_while_waiting_for_another_builds_lock(fake_cuda, tmp_path):
     """SIGTERM while another process holds a module's lock: the interrupted message and exit 143, as during a compile
     (not click's bare "Aborted!")."""
-    from mlagen.spec import load_spec
-
-    key = load_spec(fake_cuda).variants()[0].build_key
-    lock_path = paths.lock_dir() / f"{key}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
-                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)",
-                               str(lock_path)], stdout=subprocess.PIPE, text=True)
+    _, _, holder = _hold_first_lock(fake_cuda, 60)
     try:
-        assert holder.stdout.readline().strip() == "held"
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, "build", str(fake_cuda), "--compile-only"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         line = ""
