@@ -392,6 +392,44 @@ def _versions() -> dict:
                 python=platform.python_version())
 
 
+WORKER_LOG_HEADER = "# bench/run_bench.py: one GPU's share of the shapes (--gpus N worker log)\n"
+
+
+def out_dir_problem(out_dir: Path) -> str | None:
+    """Why this script must not write into ``out_dir`` (checked before anything runs), or None when it may.
+
+    It writes bench.json and bench.png there and, with --gpus N, gpuK/bench.json and gpuK/bench.log; each may replace
+    only a file an earlier run of this script wrote (a JSON object with ``rows``, a PNG tagged by mlagen's plotting, a
+    log that starts with :data:`WORKER_LOG_HEADER`). Anything else of those names is someone else's and stays."""
+
+    def ours_json(p: Path) -> bool:
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(rec, dict) and isinstance(rec.get("rows"), list)
+
+    def ours_log(p: Path) -> bool:
+        try:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                return f.readline() == WORKER_LOG_HEADER
+        except OSError:
+            return False
+
+    from mlagen.plot import is_mlagen_png
+
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        return f"--out {out_dir} exists and is not a directory"
+    checks = [(out_dir / "bench.json", ours_json), (out_dir / "bench.png", is_mlagen_png)]
+    for sub in sorted(out_dir.glob("gpu*")) if out_dir.is_dir() else []:
+        if sub.is_dir():
+            checks += [(sub / "bench.json", ours_json), (sub / "bench.log", ours_log)]
+    for path, ours in checks:
+        if os.path.lexists(path) and not ours(path):
+            return f"{path} exists and was not written by bench/run_bench.py: choose another --out or move it away"
+    return None
+
+
 def main(argv=None) -> int:
     a = _parse(argv)
     if a.build_only:  # compile only (e.g. while the GPU runs other work): the timed run then finds every module built
@@ -402,6 +440,10 @@ def main(argv=None) -> int:
         built, failed = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
         print(f"built {sum(len(b) for b in built.values())} variants, {failed} failed")
         return 1 if failed else 0
+    why = out_dir_problem(Path(a.out))
+    if why:
+        print(f"run_bench: {why}; nothing measured")
+        return 2
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; nothing measured")
         return 1
@@ -549,6 +591,8 @@ def _run_sharded(a: argparse.Namespace, grid: list[tuple], n_gpus: int, out_dir:
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, *fi_args, "--gpus", "1", "--shard",
                ",".join(map(str, share)), "--out", str(sub)]
         log = open(sub / "bench.log", "w")
+        log.write(WORKER_LOG_HEADER)  # out_dir_problem: a later run may replace this log
+        log.flush()
         procs.append((g, sub, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                     env=dict(os.environ, CUDA_VISIBLE_DEVICES=devices[g]))))
     rows, sweep, shards, rc = [], [], [], 0

@@ -29,6 +29,11 @@ def _png_software(path: Path) -> str | None:
     return None
 
 
+def is_mlagen_png(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a PNG that mlagen's plotting wrote (its "Software" text is :data:`PNG_SOFTWARE`)."""
+    return _png_software(Path(path)) == PNG_SOFTWARE
+
+
 def plot_path_problem(path: str) -> str | None:
     """Why ``path`` cannot take ``mlagen bench --plot`` (checked before any timing), or None when it can.
 
@@ -43,7 +48,7 @@ def plot_path_problem(path: str) -> str | None:
         return f"the directory of {path!r} does not exist"
     if p.is_dir():
         return f"{path!r} is a directory"
-    if os.path.lexists(p) and _png_software(p) != PNG_SOFTWARE:
+    if os.path.lexists(p) and not is_mlagen_png(p):
         return f"{path!r} exists and is not a plot mlagen wrote: choose another name or move it away"
     try:
         import matplotlib  # noqa: F401

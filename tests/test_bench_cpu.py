@@ -556,3 +556,37 @@ def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg, uri):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"), *([uri] if uri else []),
                         "--masks", masks], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_bench_never_replaces_files_it_did_not_write(tmp_path, capsys):
+    """--out: bench.json / bench.png (and gpuK/bench.json / bench.log of a --gpus run) may replace only what an earlier
+    run wrote; anything else of those names stops the run before it measures or writes anything."""
+    import json
+
+    import run_bench
+
+    from mlagen.plot import plot_time_vs_context
+
+    out = tmp_path / "out"
+    assert run_bench.out_dir_problem(out) is None  # not there yet
+    out.mkdir()
+    (out / "bench.json").write_text(json.dumps(dict(rows=[], ceilings={})))  # an earlier run's
+    plot_time_vs_context({"a": [(1, 1.0), (2, 2.0)]}, str(out / "bench.png"), "t")
+    (out / "gpu0").mkdir()
+    (out / "gpu0" / "bench.log").write_text(run_bench.WORKER_LOG_HEADER + "measured ...\n")
+    assert run_bench.out_dir_problem(out) is None
+    for rel, text in [("bench.json", '{"my": "results"}'), ("bench.png", "my picture"),
+                      ("gpu0/bench.log", "my notes\n"), ("gpu1/bench.json", "[1, 2]")]:
+        user = out / rel
+        user.parent.mkdir(exist_ok=True)
+        saved = user.read_bytes() if user.exists() else None
+        user.write_text(text)
+        assert str(user) in run_bench.out_dir_problem(out)
+        assert run_bench.main(["--out", str(out), "--grid", "small", "--skip-sglang"]) == 2
+        assert user.read_text() == text and "was not written by bench/run_bench.py" in capsys.readouterr().out
+        if saved is None:
+            user.unlink()
+        else:
+            user.write_bytes(saved)
+    (tmp_path / "afile").write_text("x")
+    assert "is not a directory" in run_bench.out_dir_problem(tmp_path / "afile")
