@@ -667,18 +667,13 @@ def status() -> None:
 def uninstall() -> None:
     """Remove the installed state (SGLang's `mlagen` backend will then refuse to start): installed.json, when mlagen
     wrote it (recorded in the cache's manifest) or it is of mlagen's format; another file of that name stays."""
-    from mlagen.sglang_plugin.installed import InstalledStateError, clear_installed, installed_path, read_installed
+    from mlagen.sglang_plugin.installed import InstalledStateError, clear_installed, installed_path
 
-    path = installed_path()
-    if os.path.lexists(path) and not owned.is_recorded(path):
-        try:
-            read_installed(path)
-        except InstalledStateError:
-            raise click.ClickException(f"{path} was not written by mlagen and is not an mlagen installed state: "
-                                       "left in place (move it away to uninstall)") from None
-    removed = clear_installed(path)
-    owned.forget(path)  # a later installed.json of someone else's is not taken for mlagen's
-    console.print(f"removed {path}" if removed else "nothing was installed")
+    try:
+        removed = clear_installed()
+    except InstalledStateError as e:
+        raise click.ClickException(str(e)) from None
+    console.print(f"removed {installed_path()}" if removed else "nothing was installed")
 
 
 if __name__ == "__main__":

@@ -8,30 +8,16 @@ from pathlib import Path
 PNG_SOFTWARE = "mlagen"  # the PNG "Software" text of every plot mlagen writes: a later run may replace that file
 
 
-def _png_software(path: Path) -> str | None:
-    """The "Software" tEXt value of a PNG file (PNG spec, section 11.3.4.3), or None (not a PNG / no such chunk)."""
-    try:
-        data = path.read_bytes()[:1 << 20]
-    except OSError:
-        return None
-    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return None
-    i = 8
-    while i + 8 <= len(data):
-        n, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
-        if kind == b"tEXt":
-            key, _, value = data[i + 8:i + 8 + n].partition(b"\0")
-            if key == b"Software":
-                return value.decode("latin-1")
-        if kind in (b"IDAT", b"IEND"):
-            return None
-        i += 12 + n
-    return None
-
-
 def is_mlagen_png(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a PNG that mlagen's plotting wrote (its "Software" text is :data:`PNG_SOFTWARE`)."""
-    return _png_software(Path(path)) == PNG_SOFTWARE
+    """Whether ``path`` is a PNG that mlagen's plotting wrote: its "Software" text (read by Pillow, which matplotlib
+    requires) is :data:`PNG_SOFTWARE`."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.format == "PNG" and im.info.get("Software") == PNG_SOFTWARE
+    except OSError:  # not an image Pillow reads (UnidentifiedImageError is an OSError), or unreadable
+        return False
 
 
 def plot_path_problem(path: str) -> str | None:
@@ -48,12 +34,12 @@ def plot_path_problem(path: str) -> str | None:
         return f"the directory of {path!r} does not exist"
     if p.is_dir():
         return f"{path!r} is a directory"
-    if os.path.lexists(p) and not is_mlagen_png(p):
-        return f"{path!r} exists and is not a plot mlagen wrote: choose another name or move it away"
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return "needs matplotlib: pip install 'mlagen[plot]' (or matplotlib)"
+    if os.path.lexists(p) and not is_mlagen_png(p):
+        return f"{path!r} exists and is not a plot mlagen wrote: choose another name or move it away"
     return None
 
 

@@ -427,15 +427,27 @@ def _check_dims(values: Mapping[str, tuple]) -> None:
                 )
 
 
-def _check_unique_keys(text: str) -> None:
-    """Refuse a key given twice in one mapping of the YAML ``text`` (PyYAML keeps the last silently, so
-    ``heads_per_rank: 8`` above ``heads_per_rank: 16`` would build H 16 without a word). It walks the composed node
-    graph, before PyYAML flattens merge keys (``<<: *anchor``), so a key that overrides a merged one is allowed.
+def _safe_load_unique(text: str):
+    """``yaml.safe_load(text)``, refusing a key given twice in one mapping (PyYAML keeps the last silently, so
+    ``heads_per_rank: 8`` above ``heads_per_rank: 16`` would build H 16 without a word). The check walks the composed
+    node graph before PyYAML constructs it (and flattens merge keys, ``<<: *anchor``), so a key that overrides a
+    merged one is allowed; the document is parsed once (SafeLoader's own get_single_node / construct_document, the
+    two halves of safe_load).
 
     Raises:
         yaml.YAMLError: a syntax error, or a key given twice (a ConstructorError with its position).
     """
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        _check_unique_keys(root)
+        return loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(root) -> None:
+    """Raise a ConstructorError at the first key given twice in one mapping of the node graph ``root``."""
     stack, seen_nodes = [root] if root is not None else [], set()
     while stack:
         node = stack.pop()
@@ -472,8 +484,7 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError:
         raise SpecError(f"cannot read spec {path}: not UTF-8 text") from None
     try:
-        _check_unique_keys(text)
-        data = yaml.safe_load(text)
+        data = _safe_load_unique(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

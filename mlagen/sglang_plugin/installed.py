@@ -157,10 +157,28 @@ def write_installed(state: dict, path: str | os.PathLike | None = None) -> Path:
 
 
 def clear_installed(path: str | os.PathLike | None = None) -> bool:
-    """Remove the installed-state file. Returns True when a file was removed."""
+    """Remove the installed-state file when it is mlagen's: recorded as written by mlagen (mlagen.owned's manifest),
+    or else readable as an installed state (e.g. one copied from another machine). Its name then leaves the manifest,
+    so a later file of that name, someone else's, is not taken for mlagen's.
+
+    Returns:
+        True when a file was removed, False when there was none.
+    Raises:
+        InstalledStateError: the file is someone else's (not recorded and not an installed state); it stays.
+    """
+    from mlagen import owned  # stdlib-only, as this module
+
     p = Path(path) if path is not None else installed_path()
+    if os.path.lexists(p) and not owned.is_recorded(p):
+        try:
+            read_installed(p)
+        except InstalledStateError:
+            raise InstalledStateError(f"{p} was not written by mlagen and is not an mlagen installed state: left in "
+                                      "place (move it away to uninstall)") from None
     try:
         p.unlink()
-        return True
+        removed = True
     except FileNotFoundError:
-        return False
+        removed = False
+    owned.forget(p)
+    return removed
