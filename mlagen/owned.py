@@ -8,12 +8,18 @@ carry a manifest of their own, then deletes the manifest, and the directory itse
 created it and nothing else is left in it. Files mlagen did not record (anything a user put there)
 are never touched. Two limits: a file already present when mlagen would first record it is someone
 else's and stays unrecorded (:func:`record`); and a glob line (nvcc's ``-keep`` files of one module in
-that module's own ``keep/`` directory, an interrupted copy's ``*.so.tmp*`` in ``lib/``) covers whatever
-matches it in those mlagen-made directories.
+that module's own ``keep/`` directory, an interrupted copy's ``*.cpython-*.so.tmp<pid>`` in ``lib/``)
+covers whatever matches it in those mlagen-made directories.
+
+Several processes (parallel builds sharing a cache, ``mlagen uninstall``) may write one manifest at once:
+every read and write holds ``flock(2)`` on the manifest itself (shared to read, exclusive to add or drop
+a line), so an append and a rewrite never interleave and no process ever reads a half-written file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob as _glob
 import os
 from pathlib import Path
@@ -22,6 +28,10 @@ from mlagen import paths
 
 MANIFEST = ".mlagen-manifest"
 _CREATED = "."
+# Glob lines that earlier mlagen versions wrote, and the narrower pattern each stands for now: "*.so.tmp*" (an
+# interrupted module copy in lib/) would also have matched a user's "x.so.tmp-notes"; the copies are always
+# "<module><python ext suffix>.tmp<pid>".
+_LEGACY_GLOBS = {"*.so.tmp*": "*.cpython-*.so.tmp[0-9]*"}
 
 
 def _roots() -> list[Path]:
@@ -33,19 +43,32 @@ def _under_roots(d: Path) -> bool:
     return any(r == root or root in r.parents for root in _roots())
 
 
+@contextlib.contextmanager
+def _locked(manifest: Path, mode: str):
+    """``manifest`` opened with ``mode`` under flock(2): shared for "r", exclusive otherwise (released on close)."""
+    with open(manifest, mode) as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH if mode == "r" else fcntl.LOCK_EX)
+        yield f
+
+
+def _parse(text: str) -> list[str]:
+    lines = (l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#"))
+    return list(dict.fromkeys(_LEGACY_GLOBS.get(l, l) for l in lines))
+
+
 def _entries(d: Path) -> list[str]:
     try:
-        text = (Path(d) / MANIFEST).read_text()
+        with _locked(Path(d) / MANIFEST, "r") as f:
+            return _parse(f.read())
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return list(dict.fromkeys(l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#")))
 
 
 def _append(d: Path, line: str) -> None:
-    if line in _entries(d):
-        return
-    with open(Path(d) / MANIFEST, "a") as f:  # O_APPEND: concurrent writers add whole short lines
-        f.write(line + "\n")
+    with _locked(Path(d) / MANIFEST, "a+") as f:  # the check and the write under one exclusive lock
+        f.seek(0)
+        if line not in _parse(f.read()):
+            f.write(line + "\n")  # O_APPEND: at the end whatever the read position
 
 
 def ensure_dir(d: str | os.PathLike) -> Path:
@@ -97,16 +120,16 @@ def forget(path: str | os.PathLike) -> None:
     """Drop ``path``'s own line from its directory's manifest (mlagen deleted the file), so a later file of that
     name, someone else's, does not count as mlagen's."""
     path = Path(path)
-    manifest = path.parent / MANIFEST
     try:
-        lines = manifest.read_text().splitlines()
+        with _locked(path.parent / MANIFEST, "r+") as f:  # rewritten in place: other writers wait on the lock
+            lines = f.read().splitlines()
+            kept = [l for l in lines if l.strip() != path.name]
+            if len(kept) != len(lines):
+                f.seek(0)
+                f.write("".join(l + "\n" for l in kept))
+                f.truncate()
     except (FileNotFoundError, NotADirectoryError):
         return
-    kept = [l for l in lines if l.strip() != path.name]
-    if len(kept) != len(lines):
-        tmp = manifest.with_name(f"{MANIFEST}.{os.getpid()}.tmp")
-        tmp.write_text("".join(l + "\n" for l in kept))
-        os.replace(tmp, manifest)
 
 
 def record_glob(directory: str | os.PathLike, pattern: str) -> None:

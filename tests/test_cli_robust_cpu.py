@@ -577,3 +577,54 @@ def test_clean_follows_a_symlinked_cache_root(fake_cuda, tmp_path, monkeypatch):
     assert not list((disk / "cache").rglob("*.so")) and not list(disk.rglob(owned.MANIFEST))
     assert (disk / "cache" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "cache_link").is_symlink() and (tmp_path / "gen_link").is_symlink()
+
+
+def _record_names(d: str, names: list[str]) -> None:
+    for n in names:
+        owned.record(Path(d) / n)
+
+
+def _record_and_forget(d: str, rounds: int) -> None:
+    for _ in range(rounds):
+        owned.record(Path(d) / "installed.json")
+        owned.forget(Path(d) / "installed.json")
+
+
+def test_forget_never_drops_a_concurrent_writers_line(tmp_path, monkeypatch):
+    """`uninstall` (forget: the manifest rewritten without one name) racing builds that add lines to the same manifest:
+    every line another process added survives, so `clean` still finds every file mlagen wrote."""
+    import multiprocessing
+
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    d = owned.ensure_dir(tmp_path / "cache" / "lib")
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_record_names, args=(str(d), [f"m{w}_{i}.so" for i in range(150)])) for w in range(3)]
+    writers.append(ctx.Process(target=_record_and_forget, args=(str(d), 300)))
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(60)
+        assert p.exitcode == 0
+    lines = (d / owned.MANIFEST).read_text().splitlines()
+    missing = [f"m{w}_{i}.so" for w in range(3) for i in range(150) if f"m{w}_{i}.so" not in lines]
+    assert not missing, f"{len(missing)} lines lost, e.g. {missing[:3]}"
+    assert "installed.json" not in lines and len(lines) == len(set(lines)) == 450 + 1  # and the "." line
+
+
+def test_legacy_tmp_glob_covers_only_interrupted_module_copies(fake_cuda, tmp_path):
+    """A manifest of an earlier version lists "*.so.tmp*" in lib/: clean removes an interrupted copy of a module there
+    but not a user's file that the old glob also matched."""
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    lib = next(p.parent for p in (tmp_path / "cache").rglob(f"*{ninja_gen.ext_suffix()}"))
+    manifest = lib / owned.MANIFEST
+    manifest.write_text(manifest.read_text().replace(f"*{ninja_gen.ext_suffix()}.tmp[0-9]*", "*.so.tmp*"))
+    assert "*.so.tmp*" in manifest.read_text()
+    stale = lib / f"mod{ninja_gen.ext_suffix()}.tmp4242"
+    stale.write_bytes(b"partial")
+    mine = lib / "notes.so.tmp-keep"
+    mine.write_text("mine")
+    r = CliRunner().invoke(main, ["clean", "--all", "--yes"])
+    assert r.exit_code == 0, r.output
+    assert not stale.exists() and mine.read_text() == "mine"
