@@ -292,10 +292,14 @@ def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
     if reason:
         return [], [(v, reason) for v in j.variants]
     dest = owned.record(_installed_so(j.key, j.source_hash))
-    owned.record_glob(dest.parent, f"*{ninja_gen.ext_suffix()}.tmp[0-9]*")  # left by an interrupted copy
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    if os.path.lexists(tmp) and not owned.is_recorded(tmp):
+        reason = f"{tmp} (not written by mlagen) is in the way of installing the module: move it away"
+        return [], [(v, reason) for v in j.variants]
+    owned.record(tmp, written=True)  # recorded before the copy: an interrupted copy is mlagen's to clean
     shutil.copyfile(j.outputs["so"], tmp)
     os.replace(tmp, dest)
+    owned.forget(tmp)
     reg.drop_stale_build(j.key, j.source_hash)  # nsplit siblings built from older sources
     built = []
     for v in j.variants:

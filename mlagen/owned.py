@@ -8,30 +8,51 @@ carry a manifest of their own, then deletes the manifest, and the directory itse
 created it and nothing else is left in it. Files mlagen did not record (anything a user put there)
 are never touched. Two limits: a file already present when mlagen would first record it is someone
 else's and stays unrecorded (:func:`record`); and a glob line (nvcc's ``-keep`` files of one module in
-that module's own ``keep/`` directory, an interrupted copy's ``*.cpython-*.so.tmp<pid>`` in ``lib/``)
-covers whatever matches it in those mlagen-made directories.
+that module's own ``keep/`` directory) covers whatever matches it in that mlagen-made directory.
 
-Several processes (parallel builds sharing a cache, ``mlagen uninstall``) may write one manifest at once:
-every read and write holds ``flock(2)`` on the manifest itself (shared to read, exclusive to add or drop
-a line), so an append and a rewrite never interleave and no process ever reads a half-written file.
+Several processes (parallel builds sharing a cache, ``mlagen uninstall``, ``mlagen clean``) may use one
+manifest at once. Each read holds ``flock(2)`` on the manifest's directory shared, each change exclusive
+(the directory, not the manifest: a rewrite replaces the manifest atomically, and the lock outlives it).
+A line already present is never written again, so commands that add nothing (``list``, a cached
+``build``) also work on a cache they cannot write. A manifest that is not a regular file (a symlink, a
+FIFO) is someone else's: it is neither read nor written, and what mlagen would have recorded in it stays
+unrecorded (``clean`` leaves it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import glob as _glob
+import fnmatch
 import os
+import re
+import stat
+import sys
 from pathlib import Path
 
 from mlagen import paths
 
 MANIFEST = ".mlagen-manifest"
 _CREATED = "."
-# Glob lines that earlier mlagen versions wrote, and the narrower pattern each stands for now: "*.so.tmp*" (an
-# interrupted module copy in lib/) would also have matched a user's "x.so.tmp-notes"; the copies are always
-# "<module><python ext suffix>.tmp<pid>".
-_LEGACY_GLOBS = {"*.so.tmp*": "*.cpython-*.so.tmp[0-9]*"}
+# forget()'s rewrite goes through "<MANIFEST>.<pid>.tmp": a name of mlagen's own, left only by a crash mid-rewrite.
+_REWRITE_TMP = re.compile(re.escape(MANIFEST) + r"\.\d+\.tmp")
+# Earlier versions recorded an interrupted module copy in lib/ ("<module><ext suffix>.tmp<pid>") by a glob,
+# "*<ext suffix>.tmp*" or "*<ext suffix>.tmp[0-9]*"; both also match a user's "x<ext suffix>.tmp-notes". Such a
+# line now covers only names that end in ".tmp" and digits. (The copies are recorded by their own name now.)
+_LEGACY_TMP_GLOB = re.compile(r"\*([^*?\[\]/]*\.so)\.tmp(?:\*|\[0-9\]\*)")
+
+_held_fds: set[int] = set()  # directory locks this process holds right now
+
+
+def _close_held_in_child() -> None:  # a fork (without exec) while a lock is held must not keep it for the child
+    for fd in list(_held_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def _roots() -> list[Path]:
@@ -44,31 +65,83 @@ def _under_roots(d: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(manifest: Path, mode: str):
-    """``manifest`` opened with ``mode`` under flock(2): shared for "r", exclusive otherwise (released on close)."""
-    with open(manifest, mode) as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_SH if mode == "r" else fcntl.LOCK_EX)
-        yield f
+def _dir_locked(d: Path, *, exclusive: bool):
+    """flock(2) on directory ``d`` (shared or exclusive) for the block. Raises FileNotFoundError /
+    NotADirectoryError when ``d`` is not a directory."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _held_fds.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        _held_fds.discard(fd)
+        os.close(fd)
 
 
-def _parse(text: str) -> list[str]:
-    lines = (l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#"))
-    return list(dict.fromkeys(_LEGACY_GLOBS.get(l, l) for l in lines))
+def _read_lines(d: Path) -> list[str]:
+    """The raw lines of ``d``'s manifest (the caller holds the directory lock); none when it is missing or not a
+    regular file. Bytes that are not UTF-8 read as the file-system names they would be (surrogateescape)."""
+    try:
+        fd = os.open(d / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.ENOTDIR):  # a symlink / FIFO / socket: someone else's
+            return []
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    return data.decode(sys.getfilesystemencoding(), "surrogateescape").splitlines()
+
+
+def _parse(lines: list[str]) -> list[str]:
+    return list(dict.fromkeys(l.strip() for l in lines if l.strip() and not l.startswith("#")))
 
 
 def _entries(d: Path) -> list[str]:
     try:
-        with _locked(Path(d) / MANIFEST, "r") as f:
-            return _parse(f.read())
+        with _dir_locked(Path(d), exclusive=False):
+            return _parse(_read_lines(Path(d)))
     except (FileNotFoundError, NotADirectoryError):
         return []
 
 
+def _line_matches(line: str, name: str) -> bool:
+    """Whether manifest ``line`` covers the entry ``name`` of its directory."""
+    if line == name:
+        return True
+    if line in (_CREATED, MANIFEST) or "/" in line or not any(c in line for c in "*?["):
+        return False
+    legacy = _LEGACY_TMP_GLOB.fullmatch(line)
+    if legacy:
+        return re.fullmatch(".*" + re.escape(legacy.group(1)) + r"\.tmp\d+", name) is not None
+    return fnmatch.fnmatchcase(name, line)
+
+
 def _append(d: Path, line: str) -> None:
-    with _locked(Path(d) / MANIFEST, "a+") as f:  # the check and the write under one exclusive lock
-        f.seek(0)
-        if line not in _parse(f.read()):
-            f.write(line + "\n")  # O_APPEND: at the end whatever the read position
+    d = Path(d)
+    if line in _entries(d):  # nothing to write: a read-only cache is fine
+        return
+    with _dir_locked(d, exclusive=True):
+        if line in _parse(_read_lines(d)):
+            return
+        try:
+            fd = os.open(d / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # someone else's symlink / FIFO: record nothing
+                return
+            raise
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.write(fd, (line + "\n").encode(sys.getfilesystemencoding(), "surrogateescape"))
+        finally:
+            os.close(fd)
 
 
 def ensure_dir(d: str | os.PathLike) -> Path:
@@ -95,11 +168,7 @@ def ensure_dir(d: str | os.PathLike) -> Path:
 def is_recorded(path: str | os.PathLike) -> bool:
     """Whether ``path``'s directory manifest lists it (by name, or by a glob line that matches it)."""
     path = Path(path)
-    for line in _entries(path.parent):
-        if line == path.name or (_glob.has_magic(line) and line not in (_CREATED, MANIFEST)
-                                 and "/" not in line and path.match(line)):
-            return True
-    return False
+    return any(_line_matches(line, path.name) for line in _entries(path.parent))
 
 
 def record(path: str | os.PathLike, *, written: bool = False) -> Path:
@@ -118,18 +187,26 @@ def record(path: str | os.PathLike, *, written: bool = False) -> Path:
 
 def forget(path: str | os.PathLike) -> None:
     """Drop ``path``'s own line from its directory's manifest (mlagen deleted the file), so a later file of that
-    name, someone else's, does not count as mlagen's."""
+    name, someone else's, does not count as mlagen's. The manifest is rewritten to a temporary file and renamed
+    over the old one (a crash leaves the old manifest whole) under the directory's exclusive lock, so a concurrent
+    writer's line is never lost. Nothing is written when the name is not listed."""
     path = Path(path)
-    try:
-        with _locked(path.parent / MANIFEST, "r+") as f:  # rewritten in place: other writers wait on the lock
-            lines = f.read().splitlines()
-            kept = [l for l in lines if l.strip() != path.name]
-            if len(kept) != len(lines):
-                f.seek(0)
-                f.write("".join(l + "\n" for l in kept))
-                f.truncate()
-    except (FileNotFoundError, NotADirectoryError):
+    d = path.parent
+    if path.name not in _entries(d):
         return
+    with _dir_locked(d, exclusive=True):
+        lines = _read_lines(d)
+        kept = [l for l in lines if l.strip() != path.name]
+        if len(kept) == len(lines):
+            return
+        tmp = d / f"{MANIFEST}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)  # a name only mlagen uses (a crash of an earlier process with this pid)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write("".join(l + "\n" for l in kept).encode(sys.getfilesystemencoding(), "surrogateescape"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / MANIFEST)
 
 
 def record_glob(directory: str | os.PathLike, pattern: str) -> None:
@@ -142,16 +219,21 @@ def record_glob(directory: str | os.PathLike, pattern: str) -> None:
 
 def _plan(d: Path) -> tuple[list[Path], bool]:
     """(paths mlagen wrote under ``d``, deepest first; whether ``d`` itself goes too)."""
-    if d.is_symlink() or not (d / MANIFEST).is_file():
+    if d.is_symlink() or not (d / MANIFEST).is_file() or (d / MANIFEST).is_symlink():
         return [], False
     entries = _entries(d)
     created = _CREATED in entries
     out: list[Path] = []
     gone: set[str] = {MANIFEST}
+    children = sorted(d.iterdir())
+    for c in children:  # a rewrite's temporary file that a crash left (its name is mlagen's)
+        if _REWRITE_TMP.fullmatch(c.name) and c.is_file() and not c.is_symlink():
+            out.append(c)
+            gone.add(c.name)
     for name in entries:
         if name == _CREATED or "/" in name or name in ("..", MANIFEST):
             continue
-        for p in sorted(d.glob(name)) if _glob.has_magic(name) else [d / name]:
+        for p in [c for c in children if _line_matches(name, c.name)]:
             if p.is_symlink() or p.is_file():
                 out.append(p)
                 gone.add(p.name)
@@ -161,7 +243,7 @@ def _plan(d: Path) -> tuple[list[Path], bool]:
                 if sub_goes:
                     gone.add(p.name)
     out.append(d / MANIFEST)
-    goes = created and all(c.name in gone for c in d.iterdir())
+    goes = created and all(c.name in gone for c in children)
     if goes:
         out.append(d)
     return out, goes
@@ -178,12 +260,32 @@ def clean(root: str | os.PathLike) -> list[Path]:
     return remove(plan(root))
 
 
+def _remove_manifest(m: Path) -> bool:
+    """Delete manifest ``m`` under its directory's exclusive lock, unless a file it lists still exists (one that could
+    not be deleted, or one a concurrent build recorded after the plan was made) or a directory it lists kept its own
+    manifest (so a later clean still reaches what is left there). Returns whether it went."""
+    d = m.parent
+    with _dir_locked(d, exclusive=True):
+        for line in _parse(_read_lines(d)):
+            if line == _CREATED or "/" in line or line in ("..", MANIFEST):
+                continue
+            for c in d.iterdir() if any(ch in line for ch in "*?[") else [d / line]:
+                if _line_matches(line, c.name) and (c.is_symlink() or c.is_file() or (c / MANIFEST).is_file()):
+                    return False
+        m.unlink()
+        return True
+
+
 def remove(planned: list[Path]) -> list[Path]:
-    """Delete the paths of a :func:`plan` in order (directories only when empty). Returns what went."""
+    """Delete the paths of a :func:`plan` in order (directories only when empty, manifests only when every file they
+    list is gone). Returns what went."""
     removed = []
     for p in planned:
         try:
-            if p.is_dir() and not p.is_symlink():
+            if p.name == MANIFEST and not p.is_symlink():
+                if not _remove_manifest(p):
+                    continue
+            elif p.is_dir() and not p.is_symlink():
                 p.rmdir()  # empty by construction; a file added meanwhile keeps it (OSError below)
             else:
                 p.unlink()

@@ -612,19 +612,164 @@ def test_forget_never_drops_a_concurrent_writers_line(tmp_path, monkeypatch):
     assert "installed.json" not in lines and len(lines) == len(set(lines)) == 450 + 1  # and the "." line
 
 
-def test_legacy_tmp_glob_covers_only_interrupted_module_copies(fake_cuda, tmp_path):
-    """A manifest of an earlier version lists "*.so.tmp*" in lib/: clean removes an interrupted copy of a module there
-    but not a user's file that the old glob also matched."""
+@pytest.mark.parametrize("legacy", ["*{ext}.tmp*", "*{ext}.tmp[0-9]*"])
+def test_legacy_tmp_glob_covers_only_interrupted_module_copies(fake_cuda, tmp_path, legacy):
+    """lib/ manifests of earlier versions list the interrupted-copy glob "*<ext suffix>.tmp*" (or ".tmp[0-9]*"):
+    clean removes an interrupted copy of a module there but not a user's file that the old glob also matched; a
+    build now records its copy by name and forgets it once renamed, so no glob is written."""
     r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
     assert r.exit_code == 0, r.output
-    lib = next(p.parent for p in (tmp_path / "cache").rglob(f"*{ninja_gen.ext_suffix()}"))
+    ext = ninja_gen.ext_suffix()
+    lib = next(p.parent for p in (tmp_path / "cache").rglob(f"*{ext}"))
     manifest = lib / owned.MANIFEST
-    manifest.write_text(manifest.read_text().replace(f"*{ninja_gen.ext_suffix()}.tmp[0-9]*", "*.so.tmp*"))
-    assert "*.so.tmp*" in manifest.read_text()
-    stale = lib / f"mod{ninja_gen.ext_suffix()}.tmp4242"
+    assert not any("tmp" in l for l in manifest.read_text().splitlines()), manifest.read_text()
+    manifest.write_text(manifest.read_text() + legacy.format(ext=ext) + "\n")  # as an earlier version wrote it
+    stale = lib / f"mod{ext}.tmp4242"
     stale.write_bytes(b"partial")
-    mine = lib / "notes.so.tmp-keep"
-    mine.write_text("mine")
+    mine = [lib / f"notes{ext}.tmp-keep", lib / f"mod{ext}.tmp1-notes"]
+    for m in mine:
+        m.write_text("mine")
     r = CliRunner().invoke(main, ["clean", "--all", "--yes"])
     assert r.exit_code == 0, r.output
-    assert not stale.exists() and mine.read_text() == "mine"
+    assert not stale.exists() and all(m.read_text() == "mine" for m in mine)
+
+
+def test_commands_that_record_nothing_new_never_open_a_manifest_for_writing(fake_cuda, tmp_path, monkeypatch):
+    """A cache others built (read-only to this user, or on a read-only mount): list, show, a cached build and
+    uninstall with nothing installed work without writing any manifest (simulated: every write-open of a manifest
+    fails as on a read-only file system)."""
+    import errno
+
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    from mlagen.registry import Registry
+
+    uri = Registry().variants()[0]["uri"]
+    real_open = os.open
+
+    def read_only_manifests(path, flags, *args, **kwargs):
+        if owned.MANIFEST in os.path.basename(os.fspath(path)) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    import builtins
+
+    real_builtin_open = builtins.open
+
+    def read_only_manifests_io(file, mode="r", *args, **kwargs):
+        if (isinstance(file, (str, os.PathLike)) and owned.MANIFEST in os.path.basename(os.fspath(file))
+                and any(c in mode for c in "wax+")):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(file))
+        return real_builtin_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_manifests)
+    monkeypatch.setattr(builtins, "open", read_only_manifests_io)
+    for cmd in (["list"], ["show", uri], ["build", str(fake_cuda), "--compile-only"], ["uninstall"]):
+        r = CliRunner().invoke(main, cmd)
+        assert r.exit_code == 0, (cmd, r.output)
+
+
+def test_a_manifest_that_is_not_a_regular_file_is_never_written_or_waited_on(tmp_path, monkeypatch):
+    """A symlink named .mlagen-manifest (to a user's file) is neither edited by forget nor appended to by record; a
+    FIFO of that name does not block a read or a record."""
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    lib = owned.ensure_dir(tmp_path / "cache" / "lib")
+    (lib / owned.MANIFEST).unlink()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my todo list\ninstalled.json\nbuy milk\n")
+    (lib / owned.MANIFEST).symlink_to(notes)
+    owned.forget(lib / "installed.json")
+    owned.record(lib / "x.so")
+    assert notes.read_text() == "my todo list\ninstalled.json\nbuy milk\n"
+    assert not owned.is_recorded(lib / "installed.json")
+    (lib / owned.MANIFEST).unlink()
+    os.mkfifo(lib / owned.MANIFEST)
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked on a FIFO manifest"))
+    signal.alarm(10)
+    try:
+        assert not owned.is_recorded(lib / "x.so")
+        owned.record(lib / "x.so")
+        owned.forget(lib / "x.so")
+        assert owned.plan(tmp_path / "cache") == [] or all(p.name != "x.so" for p in owned.plan(tmp_path / "cache"))
+    finally:
+        signal.alarm(0)
+    assert stat_is_fifo(lib / owned.MANIFEST)
+
+
+def stat_is_fifo(p: Path) -> bool:
+    import stat
+
+    return stat.S_ISFIFO(os.lstat(p).st_mode)
+
+
+def test_forget_interrupted_before_the_rename_leaves_the_manifest_whole(tmp_path, monkeypatch):
+    """forget rewrites through a temporary file: an interruption before the rename leaves the old manifest as it
+    was (no half-written line that could name a user's file), and clean removes the temporary file."""
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    cache = owned.ensure_dir(tmp_path / "cache")
+    for name in ("registry.sqlite", "locks", "installed.json", "lib"):
+        owned.record(cache / name)
+    before = (cache / owned.MANIFEST).read_text()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owned.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        owned.forget(cache / "installed.json")
+    monkeypatch.undo()
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    assert (cache / owned.MANIFEST).read_text() == before
+    leftovers = [p for p in cache.iterdir() if p.name.startswith(owned.MANIFEST + ".")]
+    assert leftovers
+    (cache / "mine.txt").write_text("mine")
+    owned.clean(cache)
+    assert not any(p.exists() for p in leftovers) and (cache / "mine.txt").read_text() == "mine"
+
+
+def test_clean_keeps_the_manifest_of_a_file_recorded_after_its_plan(tmp_path, monkeypatch):
+    """A build records and writes a module while `clean` runs (after clean made its plan): the manifest that lists it
+    stays, so a later clean still removes it."""
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path / "generated"))
+    lib = owned.ensure_dir(tmp_path / "cache" / "lib")
+    owned.record(lib / "old.so").write_text("x")
+    (lib / "users_notes.txt").write_text("mine")
+    planned = owned.plan(tmp_path / "cache")
+    owned.record(lib / "new.so").write_text("built")  # the concurrent build
+    owned.remove(planned)
+    assert not (lib / "old.so").exists() and (lib / "new.so").exists() and owned.is_recorded(lib / "new.so")
+    owned.clean(tmp_path / "cache")
+    assert not (lib / "new.so").exists() and (lib / "users_notes.txt").read_text() == "mine"
+
+
+def test_a_fork_while_a_manifest_lock_is_held_does_not_keep_it(tmp_path):
+    """A library user forks (without exec) while another thread records: the child does not keep the directory
+    lock, so the parent's release frees it."""
+    import fcntl
+
+    d = tmp_path / "d"
+    d.mkdir()
+    with owned._dir_locked(d, exclusive=True):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(5)
+            os._exit(0)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + 2.0  # (the child closes its copy right after the fork; it then sleeps 5 s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # still held by the child
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+    finally:
+        os.close(fd)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
