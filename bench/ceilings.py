@@ -201,8 +201,15 @@ def measure_ceilings(device=None) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import json
-    if sys.argv[1:] == ["--mma-streams"]:
+
+    ap = argparse.ArgumentParser(description="Measure this GPU's copy bandwidth (GB/s) and mma.sync rate (TFLOP/s) "
+                                 "and print them as JSON.")
+    ap.add_argument("--mma-streams", action="store_true",
+                    help="instead: the mma.sync rate of 1-8 warps per scheduler with 1-12 independent accumulators "
+                         "(a markdown table)")
+    if ap.parse_args().mma_streams:
         print("| warps per scheduler | chains per warp | A from | TFLOP/s | fraction of the 32-warp rate |")
         print("|---|---|---|---|---|")
         table = mma_sync_stream_table(report=lambda r: print(

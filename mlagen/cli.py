@@ -26,6 +26,11 @@ from mlagen.spec import MAX_VARIANTS, Spec, SpecError, filter_by_glob, load_spec
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240, soft_wrap=not sys.stdout.isatty())
 
 
+def _n(count: int, noun: str) -> str:
+    """"1 variant", "3 variants"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _spec(path: str, max_variants: int | None = None) -> Spec:
     """The validated spec at ``path``; its sweep may hold at most ``max_variants`` variants."""
     try:
@@ -229,7 +234,8 @@ def generate(spec_path: str, kernels: str | None, max_variants: int | None) -> N
     jobs = gen(ok)
     for j in jobs:
         console.print(f"{j.outputs['source']}  ({len(j.variants)} variant(s): nsplit {', '.join(str(v.nsplit) for v in j.variants)})")
-    console.print(f"{len(ok)} variants in {len(jobs)} modules under {paths.generated_dir()}; {len(bad)} dropped")
+    console.print(f"{_n(len(ok), 'variant')} in {_n(len(jobs), 'module')} under {paths.generated_dir()}; "
+                  f"{len(bad)} dropped")
 
 
 @main.command()
@@ -267,7 +273,8 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
         raise click.ClickException(f"no feasible variant in {spec_path} ({len(rep.infeasible)} dropped, reasons above)")
     cached = sum(x.cached for x in rep.built)
     modules = len({x.variant.build_key for x in rep.built})
-    console.print(f"built {len(rep.built)} variants ({cached} cached) from {modules} modules in {rep.seconds:.1f} s; "
+    console.print(f"built {_n(len(rep.built), 'variant')} ({cached} cached) from {_n(modules, 'module')} in "
+                  f"{rep.seconds:.1f} s; "
                   f"{len(rep.failed)} failed; {len(rep.infeasible)} dropped")
     for v, msg in rep.failed:
         console.print(f"[red]FAILED[/] {escape(v.uri)}\n{escape(msg)}")
@@ -484,7 +491,7 @@ def list_(kernels: str | None, fmt: str) -> None:
             click.echo("\t".join(row))
         return
     uri_w = max([len(r[0]) for r in rows] + [len(head[0])])
-    table = Table(title=f"{len(rows)} variants")
+    table = Table(title=_n(len(rows), "variant"))
     table.add_column(head[0], no_wrap=True, min_width=uri_w)
     for h in head[1:]:
         table.add_column(h, overflow="fold")
@@ -495,7 +502,7 @@ def list_(kernels: str | None, fmt: str) -> None:
     if fmt == "table" or (fmt == "auto" and need <= console.width):
         console.print(table, width=max(console.width, need), crop=False)
         return
-    console.print(f"{len(rows)} variants (registers / smem B / spill B per arch; verify; best µs)")
+    console.print(f"{_n(len(rows), 'variant')} (registers / smem B / spill B per arch; verify; best µs)")
     for uri, per_arch, vs, best in rows:
         console.print(uri, soft_wrap=True, markup=False, highlight=False)
         console.print(f"    {per_arch}   verify {vs}   best {best if best == '-' else best + ' µs'}", soft_wrap=True,
@@ -565,7 +572,8 @@ def _clean_summary(planned: list[Path]) -> list[str]:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clean(all_: bool, yes: bool) -> None:
     """Delete the generated sources mlagen wrote (with --all also its cache). Only files mlagen recorded
-    as its own are deleted; anything else in those directories stays (see mlagen.owned)."""
+    as its own are deleted (each directory mlagen writes to lists them in a .mlagen-manifest); anything else in
+    those directories stays."""
     roots = [paths.generated_dir()] + ([paths.cache_dir()] if all_ else [])
     planned = list(dict.fromkeys(p for r in roots for p in owned.plan(r)))
     lines = _clean_summary(planned)

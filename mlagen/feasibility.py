@@ -191,13 +191,13 @@ def _dimsplit_reason(v: Variant) -> str | None:
         if v.row_tiles + 3 > 8:
             return (f"dtype fp8_e4m3 runs row_tiles + 3 warps (a producer and two converter warps) of at most 8: "
                     f"at most 5 row tiles, got {v.row_tiles} ({v.rows_max} rows)")
-        if v.num_warps != v.row_tiles + 3:
-            return (f"dtype fp8_e4m3 runs one warp per row tile, a producer and two converter warps: num_warps must be "
-                    f"row_tiles + 3 = {v.row_tiles + 3}, got {v.num_warps}")
     want = dimsplit_row_tiles(v.rows_max)
     if v.row_tiles != want:
         return (f"schedule dimsplit covers {v.rows_max} rows with clusters of {want} row tiles "
                 f"(fewest KV reads, at most {DIMSPLIT_MAX_ROW_TILES}): row_tiles must be {want}, got {v.row_tiles}")
+    if v.dtype == "fp8_e4m3" and v.num_warps != v.row_tiles + 3:
+        return (f"dtype fp8_e4m3 runs one warp per row tile, a producer and two converter warps: num_warps must be "
+                f"row_tiles + 3 = {v.row_tiles + 3}, got {v.num_warps}")
     pair_warps = 2 * v.row_tiles + 1
     if not (v.row_tiles + 1 <= v.num_warps <= 8 or v.num_warps == pair_warps):
         return (f"schedule dimsplit needs num_warps 2 x row_tiles + 1 = {pair_warps} (two warps per row tile) or in "

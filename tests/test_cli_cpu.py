@@ -71,7 +71,7 @@ def test_generate_lists_and_drops(runner, tmp_path):
     r = runner.invoke(main, ["generate", str(p)])
     assert r.exit_code == 0, r.output
     assert "dropped mla_verify_h8_q9" in r.output and "shared memory" in r.output
-    assert "1 variants in 1 modules" in r.output
+    assert "1 variant in 1 module" in r.output
 
 
 def test_dropped_reasons_grouped_and_printed_literally(runner, tmp_path):
@@ -114,12 +114,12 @@ def test_show_unknown_and_empty_list(runner):
 def test_build_without_gpu_compiles_then_stops(runner):
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
     assert r.exit_code == 0, r.output
-    assert "built 1 variants (0 cached)" in r.output
+    assert "built 1 variant (0 cached)" in r.output
     assert "no GPU" in r.output and "stopping after compile" in r.output
     r = runner.invoke(main, ["list"])
     assert "mla_verify_h8_q1_kv512_rope64_ps64_ns32_lw128_bn16_w8_rt1_st2_causal_bf16_sm120_sm90" in r.output
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-decode.yaml", "--kernels", "*ps64_ns32_lw128_bn16_w8_rt1_st2*"])
-    assert "built 1 variants (1 cached)" in r.output
+    assert "built 1 variant (1 cached)" in r.output
 
 
 def test_bad_max_jobs_is_one_line_error(runner, monkeypatch):
@@ -262,22 +262,25 @@ def test_sweep_over_the_limit_is_refused_naming_its_size(runner, tmp_path, cache
 
 def test_readme_setup_block_and_gpu_scripts():
     """The set-up block creates the virtual environment setup.sh installs into; the offline route is
-    described for a user; every script in tools/ is named with what it runs."""
+    described for a user; every script in tools/ is named with what it runs in tools/README.md."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text()
+    tools_text = (root / "tools" / "README.md").read_text()
+    assert "tools/README.md" in text
     setup = text.split("## Setup and the main job", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     lines = [l.split("#")[0].strip() for l in setup.strip().splitlines()]
     assert lines[0] == "python3 -m venv --system-site-packages .venv && . .venv/bin/activate", setup
     assert lines.index("bash setup.sh") > 0
     assert "a gpu machine without internet access" in text.lower()
-    for word in ("lent", "device call", "carrying"):  # how it was developed, not what a user does
-        assert not re.search(rf"\b{word}\b", text), word
+    for doc in (text, tools_text, (root / "bench" / "README.md").read_text()):
+        for word in ("lent", "device call", "carrying"):  # how it was developed, not what a user does
+            assert not re.search(rf"\b{word}\b", doc), word
     for script in sorted((root / "tools").iterdir()):
         if script.suffix in (".sh", ".py") and script.name != "device_env.sh":
-            rows = [l for l in text.splitlines() if l.startswith("| `") and f"tools/{script.name}" in l.split("|")[1]]
-            assert rows and len(rows[0].split("|")[2].strip()) > 20, f"tools/{script.name} not described in README"
+            rows = [l for l in tools_text.splitlines() if l.startswith("| `") and f"tools/{script.name}" in l.split("|")[1]]
+            assert rows and len(rows[0].split("|")[2].strip()) > 20, f"tools/{script.name} not described in tools/README.md"
 
 
 def test_bench_checks_spec_plot_and_int32_before_the_gpu(runner, monkeypatch, tmp_path):
