@@ -74,8 +74,9 @@ def _dir_locked(d: Path, *, exclusive: bool):
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
     finally:
-        _held_fds.discard(fd)
-        os.close(fd)
+        if fd in _held_fds:  # (not in a child forked inside this block: the fork hook closed it there)
+            _held_fds.discard(fd)
+            os.close(fd)
 
 
 def _read_lines(d: Path) -> list[str]:
