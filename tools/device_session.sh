@@ -115,8 +115,10 @@ elif [ "$MODE" = dst ]; then
   # DST_URI, racecheck of DST_FP8_URI when set (an e4m3 dimsplit_t uri); the bench is `dst_bench`
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   T="python3 -m pytest -m gpu -q -rs --durations=12"  # the slowest tests and fixtures (builds) in each log
-  step pytest_dst 500 $T tests/test_kernel_gpu.py \
-    -k "dimsplit_t_full or (equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
+  # the bf16 set in two processes (one ran past 500 s): the full case set; the equality with rowblock and the other
+  # row counts (a module both need is built once: the second process waits on its build lock)
+  step pytest_dst 500 $T tests/test_kernel_gpu.py -k "dimsplit_t_full" &
+  step pytest_dst_rows 500 $T tests/test_kernel_gpu.py -k "(equals_rowblock and k2_dst) or (other_shapes and dst_rows)" &
   step pytest_dst_fp8 500 $T tests/test_kernel_gpu.py \
     -k "dimsplit_t_fp8_full or (equals_bf16 and k2_dst_fp8) or (other_shapes and dst_fp8_rows)" &
   step pytest_merge 500 $T tests/test_kernel_gpu.py -k "fused_merge or shipped_dimsplit_t" &
@@ -127,7 +129,7 @@ elif [ "$MODE" = dst ]; then
     step racecheck_dst_fp8 500 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_FP8_URI" 0 0 quick &
   fi
   wait
-  for f in pytest_dst pytest_dst_fp8 pytest_merge pytest_direct_newkv; do
+  for f in pytest_dst pytest_dst_rows pytest_dst_fp8 pytest_merge pytest_direct_newkv; do
     echo "$f: $(grep -hE "passed|failed|Error|assert" "$OUT/$f.log" | tail -1)"
   done
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log" \
