@@ -41,7 +41,12 @@ FLOP_PER_MMA = 2 * 16 * 8 * 16  # mma.sync m16n8k16
 
 
 def copy_bandwidth_gbs(device=None, nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """mlagen.bench.copy_bandwidth_gbs (imported lazily: this module stays importable without torch)."""
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s, bytes read + written): mlagen.bench.copy_bandwidth_gbs
+    (imported lazily: this module stays importable without torch), here with a 2 GiB copy by default.
+
+    Raises:
+        RuntimeError: no CUDA GPU visible to torch.
+    """
     from mlagen.bench import copy_bandwidth_gbs as measure
 
     return measure(device, nbytes, reps)
@@ -53,7 +58,11 @@ def copy_bandwidth_gbs(device=None, nbytes: int = 2 << 30, reps: int = 20) -> fl
 # ---------------------------------------------------------------------------
 
 def floor_us(nbytes: float, flops: float, copy_gbs: float, mma_tflops: float) -> float:
-    """Roofline floor in µs: max(bytes / (copy_gbs*1e9), flops / (mma_tflops*1e12))."""
+    """Roofline floor in µs: max(bytes / (copy_gbs*1e9), flops / (mma_tflops*1e12)).
+
+    Raises:
+        ValueError: copy_gbs <= 0 or mma_tflops <= 0.
+    """
     if copy_gbs <= 0 or mma_tflops <= 0:
         raise ValueError("ceilings must be positive")
     return max(nbytes / (copy_gbs * 1e9), flops / (mma_tflops * 1e12)) * 1e6
@@ -61,7 +70,11 @@ def floor_us(nbytes: float, flops: float, copy_gbs: float, mma_tflops: float) ->
 
 def verify_floor_us(H: int, q_len: int, bs: int, ctx: int,
                     copy_gbs: float, mma_tflops: float) -> float:
-    """floor_us(verify_bytes(...), verify_flops(...), copy_gbs, mma_tflops)."""
+    """floor_us(verify_bytes(...), verify_flops(...), copy_gbs, mma_tflops), in µs.
+
+    Raises:
+        ValueError: copy_gbs <= 0 or mma_tflops <= 0.
+    """
     return floor_us(verify_bytes(H, q_len, bs, ctx), verify_flops(H, q_len, bs, ctx),
                     copy_gbs, mma_tflops)
 
@@ -93,8 +106,14 @@ def nvcc_command(src: str, out: str, arch: tuple[int, int] | None = None) -> lis
 
 
 def build_mma_probe(arch: tuple[int, int] | None = None, build_dir: str | None = None):
-    """Compile bench/mma_probe.cu into a temp dir and import it (module
-    mma_probe_ext).  arch defaults to the current GPU's compute capability."""
+    """Compile bench/mma_probe.cu into ``build_dir`` (default: a new temp dir) and import it (module
+    mma_probe_ext).  arch defaults to the current GPU's compute capability.  The first module is cached
+    for the process: later calls return it and ignore their arch and build_dir.
+
+    Raises:
+        RuntimeError: nvcc failed (its command line and output in the message).
+        ImportError: pybind11 is not installed.
+    """
     global _ext
     if _ext is not None:
         return _ext

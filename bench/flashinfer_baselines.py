@@ -67,7 +67,11 @@ def label(column: str, smem_per_sm: int = SM120_SMEM_PER_SM) -> str:
 
 
 def parse_columns(text: str) -> list[str]:
-    """``--fi-columns`` value: comma-separated names from COLUMNS (order kept, duplicates dropped)."""
+    """``--fi-columns`` value: comma-separated names from COLUMNS (order kept, duplicates dropped).
+
+    Raises:
+        ValueError: a name not in COLUMNS, or no name at all.
+    """
     cols = []
     for c in (x.strip() for x in text.split(",")):
         if not c:
@@ -204,7 +208,12 @@ def _smem_module(smem_per_sm: int):
 
 def prebuild(columns: list[str], smem_per_sm: int = SM120_SMEM_PER_SM) -> dict[str, str]:
     """JIT-compile the columns' modules, each in its own thread (ninja and nvcc do the work, in
-    parallel with whatever the caller builds meanwhile). Returns {column: error} for those that failed."""
+    parallel with whatever the caller builds meanwhile). Returns {column: error} for the columns whose module
+    failed to build.
+
+    Raises:
+        FlashInferUnavailable: torch sees no GPU or flashinfer does not import (checked first; nothing is built).
+    """
     _load()
     errors: dict[str, str] = {}
     specs = {}
@@ -312,7 +321,12 @@ def _out(p: dict):
 
 
 def run_fi(p: dict, column: str, smem_per_sm: int = SM120_SMEM_PER_SM):
-    """FlashInfer's causal output on ``p`` -> [T, H, 512] bf16."""
+    """FlashInfer's causal output on ``p`` -> [T, H, 512] bf16.
+
+    Raises:
+        ValueError: ``column`` is not in COLUMNS.
+        FlashInferUnavailable: torch sees no GPU or flashinfer does not import.
+    """
     import torch
 
     f = FiMLA(p, column, smem_per_sm)
@@ -325,7 +339,13 @@ def run_fi(p: dict, column: str, smem_per_sm: int = SM120_SMEM_PER_SM):
 def measure(p: dict, column: str, smem_per_sm: int = SM120_SMEM_PER_SM, ref=None) -> tuple[float, float | None]:
     """(median µs of one FlashInfer call on ``p``, max |FlashInfer - ref| or None without ``ref``).
     One plan; inputs rotated past L2 the way run_bench times mlagen: one CUDA graph over rotated copies
-    of the problem (sglang_baselines._time_rotating)."""
+    of the problem (sglang_baselines._time_rotating). ``ref``: the expected causal output [T, H, 512]
+    (any float dtype).
+
+    Raises:
+        ValueError: ``column`` is not in COLUMNS.
+        FlashInferUnavailable: torch sees no GPU or flashinfer does not import.
+    """
     import torch
 
     f = FiMLA(p, column, smem_per_sm)
@@ -344,7 +364,12 @@ def measure(p: dict, column: str, smem_per_sm: int = SM120_SMEM_PER_SM, ref=None
 
 
 def time_fi(p: dict, column: str, smem_per_sm: int = SM120_SMEM_PER_SM) -> float:
-    """Median µs of one FlashInfer call on ``p`` (see measure)."""
+    """Median µs of one FlashInfer call on ``p`` (see measure).
+
+    Raises:
+        ValueError: ``column`` is not in COLUMNS.
+        FlashInferUnavailable: torch sees no GPU or flashinfer does not import.
+    """
     return measure(p, column, smem_per_sm)[0]
 
 

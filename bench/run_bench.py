@@ -107,7 +107,13 @@ def fp8_problem(p: dict) -> dict:
 
 
 def mlagen_args(p: dict, k: VerifyKernel):
-    """mlagen's view of an SGLang problem: same q / pool / lengths / tree; page ids from req_to_token."""
+    """mlagen's view of an SGLang problem: same q / pool / lengths / tree; page ids from req_to_token.
+
+    Allocates the output bf16 [T, H, 512] and ``k``'s workspace on "cuda" (the current device) once, here.
+    Returns:
+        A zero-argument launcher: each call runs ``k`` on ``p`` (the random tree for tree variants, no mask
+        otherwise) into that output and returns ``(out, None)`` (no lse).
+    """
     P = p["page_size"]
     table = p["req_to_token"] if P == 1 else (p["req_to_token"][:, ::P] // P).contiguous()
     out = torch.empty(p["q"].shape[0], p["H"], 512, dtype=torch.bfloat16, device="cuda")
@@ -118,6 +124,9 @@ def mlagen_args(p: dict, k: VerifyKernel):
 
 
 def time_mlagen(p: dict, k: VerifyKernel) -> float:
+    """Median µs of one ``k`` call on ``p``, timed as SGLang's kernels are (sglang_baselines._time_rotating):
+    one CUDA graph over enough copies of the problem to rotate past L2, replayed, median of replay time /
+    copies; triton's do_bench on one copy when graph capture fails."""
     copies = [p] + [sgl._clone_problem(p) for _ in range(sgl._n_copies(sgl._problem_bytes(p)) - 1)]
     return sgl._time_rotating([mlagen_args(c, k) for c in copies], None, sgl._problem_bytes(p))
 
@@ -363,7 +372,12 @@ def parse_l2_json(stdout: str) -> dict:
     """The row fields from tools/l2_bytes.py --json output (its last JSON line): l2_sm_per_kv, l2_read_per_kv and
     dram_per_kv (bytes per KV byte, all kernels of one call: into the SMs over the crossbar, read from the L2 by the
     SMs, read from DRAM; l2_read_per_kv is None in records of older tools), l2_kernels (per kernel: name, bytes, µs)
-    and l2_kv_bytes; or l2_error."""
+    and l2_kv_bytes; or l2_error (no JSON line, or an ``error`` record).
+
+    Raises:
+        json.JSONDecodeError: the last line starting with ``{`` is not valid JSON.
+        KeyError: a record without ``error`` lacks one of the fields.
+    """
     recs = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not recs:
         return dict(l2_error="no JSON line from tools/l2_bytes.py: " + stdout.strip()[-200:])
@@ -377,7 +391,9 @@ def parse_l2_json(stdout: str) -> dict:
 def measure_l2_bytes(uri: str, ctx: int, bs: int, ncu: str, timeout_s: float = 600) -> dict:
     """Bytes L2 -> SM and DRAM reads per KV byte of one call of ``uri`` at (ctx, bs) under Nsight Compute
     (tools/l2_bytes.py --json in a child process; its own inputs, same shape; clocks not locked). Returns
-    :func:`parse_l2_json`'s fields; an ncu failure or timeout becomes ``l2_error`` (reported, never raised)."""
+    :func:`parse_l2_json`'s fields; a timeout, an ``error`` record, or output without a JSON line (a failed
+    run's stderr tail included) becomes ``l2_error``. Not caught: a last ``{`` line that is not valid JSON
+    (json.JSONDecodeError) or lacks a field (KeyError), from :func:`parse_l2_json`."""
     cmd = [sys.executable, str(L2_TOOL), uri, "--ctx", str(ctx), "--bs", str(bs), "--ncu", ncu, "--json"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)

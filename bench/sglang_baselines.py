@@ -266,6 +266,9 @@ def make_problem(H: int, q_len: int, bs: int, ctx: int, page_size: int = 1,
       kv_lens      [bs] int32 = ctx (includes the q_len draft tokens)
       tree_mask    [bs, q_len] int64 bitmask from a random tree
       parents      [bs, q_len] int32 (-1 for the root)
+
+    Raises:
+      ValueError: q_len outside 1..64, ctx < q_len, or page_size < 1.
     """
     import torch
 
@@ -490,7 +493,12 @@ def run_extend_verify(problem: dict):
 
 def run_decode(problem: dict, num_kv_splits: int, use_pdl: bool | None = None):
     """SGLang decode_attention_fwd (split-KV, tree mask IGNORED: every query sees
-    all ctx tokens) -> out [T, H, 512] bf16."""
+    all ctx tokens) -> out [T, H, 512] bf16.
+
+    Raises:
+      SglangUnavailable: torch / CUDA / triton / sglang missing (checked first).
+      ValueError: num_kv_splits < 1.
+    """
     _ext, dec, _how = _require()
     import torch
     args, kwargs, o, _ws = _decode_args(problem, num_kv_splits, use_pdl)
@@ -620,7 +628,12 @@ def time_decode_splitkv(problem: dict, num_kv_splits: int,
     stage 2) with q viewed as [bs, q_len*H, 576] heads over all ctx tokens.
     IGNORES the tree mask (a speed alternative, not a correct verify).
     The attn_logits/attn_lse workspace is shared by the copies, as SGLang shares
-    it across layers.  use_pdl: default as SGLang (True on sm_90+)."""
+    it across layers.  use_pdl: default as SGLang (True on sm_90+).
+
+    Raises:
+      SglangUnavailable: torch / CUDA / triton / sglang missing (checked first).
+      ValueError: num_kv_splits < 1.
+    """
     _ext, dec, _how = _require()
     per_copy = _problem_bytes(problem)
     copies = [problem] + [_clone_problem(problem) for _ in range(_n_copies(per_copy) - 1)]

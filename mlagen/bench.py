@@ -22,6 +22,9 @@ BATCHES = (1, 4)
 
 @dataclasses.dataclass
 class Shape:
+    """One benchmark shape: heads per rank, draft tokens per request, requests, context in tokens per request
+    (draft tokens included: each request's kv_len), tokens per page."""
+
     heads: int
     q_len: int
     batch_size: int
@@ -103,7 +106,13 @@ def graph_time_us(launches: list, replays: int = 20, warmup: int = 3) -> float:
 
 
 def bench_kernel(kernel: VerifyKernel, shape: Shape, device="cuda", seed: int = 0) -> dict:
-    """Time ``kernel`` at ``shape``; returns median_us, gbs, bytes, flops, rotations."""
+    """Time ``kernel`` at ``shape`` (CUDA-graph replay over input copies rotated past L2, :func:`graph_time_us`).
+
+    Returns:
+        dict: median_us (µs per launch), bytes (:func:`mlagen.roofline.verify_bytes`, the algorithmic minimum:
+        KV once + q + out), gbs = bytes / median time in GB/s (1e9 B/s), flops
+        (:func:`mlagen.roofline.verify_flops`), rotations (input copies).
+    """
     v = kernel.variant
     fp8 = v.dtype == "fp8_e4m3"
     per = verify_bytes(shape.heads, shape.q_len, shape.batch_size, shape.context, v.dim_qk, v.dim_v,

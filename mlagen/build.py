@@ -1,5 +1,5 @@
-"""build_and_load: render, write, ninja-build, check resources, install the .so atomically and
-register it. A file lock per variant makes concurrent processes build a variant once; the
+"""Building variants (:func:`build`, :func:`build_variants`): render, write, ninja-build, check resources,
+install the .so atomically and register it. A file lock per variant makes concurrent processes build a variant once; the
 registry is checked again after the lock is taken (FlashInfer ``jit/core.py`` pattern).
 """
 
@@ -39,11 +39,16 @@ class BuiltVariant:
 
     @property
     def uri(self) -> str:
+        """The variant's uri (:attr:`mlagen.spec.Variant.uri`)."""
         return self.variant.uri
 
 
 @dataclasses.dataclass
 class BuildReport:
+    """What :func:`build` did: ``built`` (compiled or reused from the registry, in spec order), ``failed``
+    ((variant, compiler / check error excerpt), nothing registered), ``infeasible`` ((variant, reason), never
+    compiled) and the wall time in ``seconds``."""
+
     built: list[BuiltVariant]
     failed: list[tuple[Variant, str]]
     infeasible: list[tuple[Variant, str]]
@@ -191,8 +196,13 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     lock of a module (its build is then awaited).
 
     Raises:
-        BuildInterrupted: SIGINT / SIGTERM / SIGHUP or an error during the compile (ninja and nvcc
-            are stopped; modules finished before it are registered).
+        ValueError: ``kernels`` names no glob (only commas / spaces; :func:`mlagen.spec.filter_by_glob`).
+        ninja_gen.ToolchainError: nvcc missing, unusable or too old for an arch of the selected variants
+            (checked before anything is written, even when every module is cached); MAX_JOBS not a positive
+            integer (read when ``jobs`` is None and a module must compile).
+        BuildInterrupted: SIGINT / SIGTERM / SIGHUP while waiting for another process's lock, or any exception
+            during the compile, ninja missing included (ninja and nvcc are stopped; modules finished before it
+            are registered; the cause is ``.cause``).
     """
     t0 = time.perf_counter()
     reg = registry or Registry()
@@ -322,6 +332,7 @@ def build_variants(spec: Spec | dict | str | os.PathLike, kernels: str | None = 
     Raises:
         SpecError: invalid spec.
         BuildError: any selected variant failed to build or check; the message carries the errors.
+        ValueError, ninja_gen.ToolchainError, BuildInterrupted: as :func:`build`.
     """
     if isinstance(spec, Spec):
         s = spec

@@ -2,8 +2,8 @@
 issue #2 (empty splits, ragged last pages with NaN stale slots, mixed lengths, padded rows,
 pools over 4 GiB, runtime q_len below the variant's maximum, remapped req_pool_indices).
 
-fp8 (e4m3) KV problems (issue #12) come from :func:`make_fp8_problem` / :func:`fp8_cases`; nothing
-uses them yet (no kernel reads fp8, and :func:`verify_cases` stays bf16).
+fp8 (e4m3) KV problems (issue #12) come from :func:`make_fp8_problem` / :func:`fp8_cases`;
+:func:`verify_cases` yields :func:`fp8_cases` for dtype fp8_e4m3 variants.
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ from mlagen.spec import Variant
 
 @dataclasses.dataclass
 class Problem:
-    """One verify batch. Shapes: q [bs*q_len, H, D] bf16; kv_cache [num_slots, D] bf16;
-    block_table int32 [rows, max_pages]; kv_lens int32 [bs]; tree_mask int64 [bs, q_len] or None."""
+    """One verify batch. Shapes: q [bs*q_len, H, D] bf16; kv_cache [num_slots, D] or [num_slots, 1, D]
+    (SGLang's MLA pool shape), bf16, or for fp8 problems float8_e4m3fn / uint8 (its bytes); block_table int32
+    [rows, max_pages]; kv_lens int32 [bs]; tree_mask int64 [bs, q_len] or None.
+
+    ``req_pool_indices``: None (request b reads block_table row b) or int64 [bs], the row of each request.
+    ``kv_scale``: None (bf16), or the fp8 descales, a number (k_scale = v_scale) or a (k_scale, v_scale) pair as
+    :func:`mlagen.reference.split_kv_scale` reads them.
+    """
 
     name: str
     q: torch.Tensor
@@ -71,11 +77,29 @@ def _to_i64(bits: int) -> int:
 def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, device="cuda", seed: int | None = None,
                  name: str = "random", pool_slots: int | None = None, min_slot: int = 0, poison_pool: bool = True,
                  kv3d: bool = False, remap_rows: bool = False) -> Problem:
-    """A random problem for variant ``v``.
+    """A random problem for variant ``v``: bf16 q and KV rows N(0, 1), one request per entry of ``kv_lens``
+    (draft tokens included; 0 = a padded row, which still gets a page), a random tree for tree variants.
 
     Every pool row that no request references, and every stale slot of a ragged last page, is
     NaN when ``poison_pool`` (they must never leak into the output). Pages are a random
     permutation of the pool's pages at or above ``min_slot`` (used to place data past 4 GiB).
+    softmax_scale is 1/sqrt(192) (DeepSeek-V3's query-key head dim before absorption: qk_nope_head_dim 128 +
+    qk_rope_head_dim 64) times a random factor in [1, 1.1), like a yarn mscale.
+
+    Args:
+        q_len: draft tokens per request; 0 or None = ``v.q_len``.
+        device: where the tensors go.
+        seed: seeds the layout (pages, rows, tree) and, through it, the data; None = a random seed.
+        name: the problem's name.
+        pool_slots: the pool holds at least this many slots (rounded up to whole pages); default: the pages
+            the requests use + 3 (+ those below ``min_slot``).
+        min_slot: first cache row (slot) that a page may start at; the pool grows to hold the pages above it.
+        poison_pool: NaN (else 0) in the rows no request reads.
+        kv3d: kv_cache as a [num_slots, 1, D] view (SGLang's MLA pool shape) instead of [num_slots, D].
+        remap_rows: block_table gets bs + 2 rows, each request a random one of them, and ``req_pool_indices``
+            (int64 [bs]) says which.
+    Returns:
+        A :class:`Problem`; block_table int32 [rows, max pages + 1], entries no request uses -1.
     """
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
     q_len = q_len or v.q_len
@@ -184,7 +208,8 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
                      special: bool = False, q_len: int | None = None, device="cuda", seed: int | None = None,
                      name: str = "fp8 random", remap_rows: bool = False, kv3d: bool = False, as_bytes: bool = False,
                      pool_slots: int | None = None, min_slot: int = 0) -> Problem:
-    """A random problem for ``v``'s shape with an fp8 e4m3 KV cache (not used by :func:`verify_cases`).
+    """A random problem for ``v``'s shape with an fp8 e4m3 KV cache (:func:`fp8_cases`, so :func:`verify_cases` of
+    dtype fp8_e4m3 variants).
 
     The layout (pages, block table, q, tree) is :func:`make_problem`'s. Visible KV rows are fresh
     N(0, 1) values quantized by :func:`quantize_e4m3` with k_scale (SGLang stores k / k_scale), so
@@ -196,9 +221,13 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
     special: also write, into visible rows of every non-empty request, e4m3's extremes: one row with
     +-448 (bytes 0x7e / 0xfe) in 8 random dims, one row with 64 random dims subnormal (bytes 0x01-0x07
     with random sign, 2^-9 .. 7 x 2^-9), and 16 dims of one row +-0 (0x00 / 0x80).
+    Other arguments as :func:`make_problem`.
     Returns:
         Problem whose kv_cache is float8_e4m3fn (uint8 with ``as_bytes``) [num_slots, 576], or
         [num_slots, 1, 576] with ``kv3d`` (SGLang's MLA pool shape).
+    Raises:
+        ValueError: a kv_scale that is not finite and positive, or a sequence that is not a pair
+            (:func:`mlagen.reference.split_kv_scale`).
     """
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
     layout_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))

@@ -38,7 +38,10 @@ def entry_for(reg: Registry, uri: str, arch: str) -> dict:
 
 def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:
     """Per bucket of ``spec``: the verified variant (on ``arch``) with the lowest geometric-mean
-    benchmark time over the shapes every candidate of the bucket was timed at.
+    benchmark time over the shapes every timed candidate of the bucket was timed at. Only benchmarks on
+    ``arch`` of the registered source hash count; candidates without one are left out of the comparison. With
+    no shape common to the timed candidates, the first timed one (spec order) is taken; with none timed, the
+    first verified one.
 
     Raises:
         InstallError: a bucket has no verified variant on ``arch``.

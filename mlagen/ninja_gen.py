@@ -78,12 +78,21 @@ def _nvcc_version_text(nvcc: str) -> str:
 
 
 def nvcc_version() -> str:
-    """The release line of ``nvcc --version`` (e.g. 'Build cuda_13.0.r13.0/compiler.36424714_0')."""
+    """The release line of ``nvcc --version`` (e.g. 'Build cuda_13.0.r13.0/compiler.36424714_0'); the output is
+    cached per nvcc path.
+
+    Raises:
+        ToolchainError: nvcc not found (:func:`nvcc_path`), or ``nvcc --version`` failed.
+    """
     return _nvcc_version_text(nvcc_path()).splitlines()[-1]
 
 
 def nvcc_release() -> tuple[int, int]:
-    """(major, minor) of the CUDA release nvcc reports ('release 13.0' -> (13, 0))."""
+    """(major, minor) of the CUDA release nvcc reports ('release 13.0' -> (13, 0)).
+
+    Raises:
+        ToolchainError: nvcc not found, ``nvcc --version`` failed, or its output names no release.
+    """
     text = _nvcc_version_text(nvcc_path())
     m = re.search(r"release (\d+)\.(\d+)", text)
     if not m:
@@ -107,6 +116,11 @@ def check_nvcc(archs) -> None:
 
 
 def python_includes() -> list[str]:
+    """nvcc ``-I`` flags of pybind11's headers and the running Python's headers (duplicates dropped).
+
+    Raises:
+        ImportError: pybind11 is not installed.
+    """
     import pybind11
 
     incs = [pybind11.get_include(), sysconfig.get_paths()["include"]]
@@ -114,6 +128,8 @@ def python_includes() -> list[str]:
 
 
 def ext_suffix() -> str:
+    """File suffix of an extension module for the running Python (e.g. ``.cpython-311-x86_64-linux-gnu.so``);
+    ``.so`` when sysconfig has none."""
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
@@ -188,6 +204,9 @@ NINJA_BUILDDIR = ".mlagen-ninja"  # ninja's .ninja_log / .ninja_deps go here (it
 
 
 def variant_outputs(v: Variant) -> dict[str, Path]:
+    """Paths of a variant's build, all under :func:`mlagen.paths.variant_dir` of its build key: ``dir``,
+    ``source`` (<build_key>.cu), ``so`` (<build_key><ext suffix>, ninja's output before installation), ``log``
+    (nvcc.log: ptxas -v), ``keep`` (nvcc -keep intermediates, PTX included) and ``ninja`` (build.ninja)."""
     d = paths.variant_dir(v.build_key)
     return dict(dir=d, source=d / f"{v.build_key}.cu", so=d / f"{v.build_key}{ext_suffix()}", log=d / "nvcc.log",
                 keep=d / "keep", ninja=d / "build.ninja")
@@ -224,7 +243,11 @@ def top_ninja(variants: list[Variant]) -> str:
 
 
 def default_jobs() -> int:
-    """MAX_JOBS from the environment, else the CPU count."""
+    """MAX_JOBS from the environment (unset or empty: not set), else the CPU count.
+
+    Raises:
+        ToolchainError: MAX_JOBS is not a positive integer.
+    """
     env = paths.env("MAX_JOBS")
     if env:
         if not env.isdigit() or int(env) < 1:

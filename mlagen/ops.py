@@ -38,8 +38,8 @@ AUTO_WAVE_SLACK = 1.03  # take the smallest split count within 3 % of the best w
 # count then fills them (auto_num_splits' fill_waves: bs 1 takes 66 splits, bs 4 16).
 AUTO_WAVE_SLACK_CLUSTER = 1.05
 # The workspace starts with a 64-byte header: the fused merge's two arrival counters
-# (include/mlagen/mla_verify_merge.cuh), zeroed by alloc_workspace and left at zero by every launch; o_part and
-# lse_part follow it.
+# (include/mlagen/mla_verify_merge.cuh), zeroed by alloc_workspace for the modules that read them (the fused-merge
+# diagnostic builds) and left at zero by every launch; other modules never read it. o_part and lse_part follow it.
 WS_HEADER_FLOATS = 16
 # Workspaces whose header mlagen zeroed (alloc_workspace), by address: only those are given to the fused merge, since a
 # header that is not zero would make its wait fail (a trap, not a hang). Entries leave with their tensors.
@@ -139,9 +139,26 @@ class VerifyKernel:
 
     Attributes:
         variant: the :class:`~mlagen.spec.Variant` (heads, q_len max, page_size, mask, nsplit, ...).
+        so_path: ``Path`` of the compiled module's .so file, as given.
+        module: the loaded pybind11 module (:func:`load_module`); variants differing only in nsplit share it.
+        fused_merge: whether launches may fold the combine into the partial kernel (default
+            :func:`fused_merge_default`; only modules built with it use it, see :meth:`merge_counters`). May be set
+            per kernel; read when a launch's arguments are built.
+        smem_per_sm_cap: bytes of shared memory per SM that :meth:`limit_smem_per_sm` emulates, or None (the
+            device's own).
     """
 
     def __init__(self, variant: Variant, so_path: str | Path, module_name: str | None = None):
+        """Load the compiled module of ``variant``.
+
+        Args:
+            variant: the variant the module was built for (its parameters drive every check and launch).
+            so_path: path of the compiled .so.
+            module_name: the name the module was compiled under (its PyInit symbol); default ``variant.build_key``.
+        Raises:
+            ImportError: the file cannot be loaded, or the name was already loaded from a different build
+                (:func:`load_module`).
+        """
         self.variant = variant
         self.so_path = Path(so_path)
         self.module = load_module(module_name or variant.build_key, so_path)
@@ -265,15 +282,18 @@ class VerifyKernel:
         return WS_HEADER_FLOATS + request_splits * v.rows_max * (v.dim_v + 1)
 
     def alloc_workspace(self, batch_size: int, device) -> torch.Tensor:
-        """Allocate the 1-D fp32 workspace for batches up to ``batch_size``: a 64-byte header (the fused merge's
-        counters, zeroed here on the current stream; every launch leaves them at zero), then o_part and lse_part.
+        """Allocate the 1-D fp32 workspace for batches up to ``batch_size`` (:meth:`workspace_numel` elements) on
+        ``device``: a 64-byte header, then o_part and lse_part. The header holds the fused merge's counters: when the
+        module can fold the combine in (a diagnostic dimsplit_t build with MLAGEN_DST_MERGE=1, run ABI 3) it is
+        zeroed here on the current stream and the workspace is registered as zeroed (every launch leaves the
+        counters at zero); other modules never read it, and it is left uninitialized.
         Use one workspace per stream: two launches in flight on one workspace would share its partials."""
         return _new_workspace(self.workspace_numel(batch_size, torch.device(device)), device, self._can_fuse)
 
     # ---- launch
     def __call__(self, q, kv_cache, block_table, kv_lens, *, q_len: int, softmax_scale: float, tree_mask=None,
                  req_pool_indices=None, out=None, lse=None, workspace=None, k_new=None, kv_write_loc=None):
-        """Verify attention for a batch; returns ``(out, lse)``.
+        """Verify attention for a batch.
 
         Args:
             q: bf16 [bs*q_len, H, D] (D = kv_lora_rank + qk_rope_head_dim = 576), last dim contiguous.
@@ -302,9 +322,17 @@ class VerifyKernel:
                 store is not ordered against the launch's cache reads, so no kv_write_loc slot may be a
                 slot that a request reads at a prefix position (< kv_len - q_len): SGLang's out_cache_loc
                 are freshly allocated slots (or its padding slot); give -1 for rows not to store.
+        Returns:
+            ``(out, lse)``: out bf16 [bs*q_len, H, kv_lora_rank] (the given buffer, else a new one on q's device);
+            lse fp32 [bs*q_len, H], the given buffer, or None when none was passed (lse is then not computed).
         Raises:
-            ValueError: a tensor has the wrong dtype, shape, device, strides or alignment, kv_write_loc
-                without k_new, or k_new with a module built before draft-row support; nothing is launched.
+            ValueError: nothing is launched when: q_len is not an int in [1, variant.q_len]; softmax_scale is not
+                a finite number in (0, 3e38); a tensor has the wrong type, dtype, shape, device, strides or
+                alignment (out / lse rows overlapping included); bs > 65,535; block_table has fewer than bs rows
+                without req_pool_indices; a tree variant gets no tree_mask; the workspace is too small,
+                not contiguous, not 16-byte aligned or overlaps an input or output; kv_write_loc comes without
+                k_new; k_new is given to a module built before draft-row support; k_new overlaps kv_cache
+                (with kv_write_loc).
             RuntimeError: the CUDA launch failed.
         """
         v = self.variant
@@ -547,7 +575,8 @@ class VerifyKernel:
             extra: added to seq_lens (q_len for verify, 0 for decode).
             num_padding: padded rows at the end of the batch, 0 <= num_padding <= bs.
             npages: block-table columns to write; page_size: tokens per page (>= 1).
-            q_len: draft tokens per request, 1..64 (tree_mask rows [:bs, :q_len] are written).
+            q_len: draft tokens per request: 1..64 with a tree_mask (its rows [:bs, :q_len] are written);
+                unused without one, where the default 0 fits.
             tree_mask: int64 [>= bs, >= q_len], last dim contiguous, or None (no tree output).
             tree_mode: with tree_mask: ``"causal"`` (every row: query i sees drafts 0..i, as
                 ``causal_bits``), ``"qlen_only"`` (SGLang TreeMaskMode.QLEN_ONLY custom mask, as
@@ -642,6 +671,11 @@ class VerifyKernel:
         check_batch; per layer only q, kv_cache, out, lse and the scale are read (a few µs of host time).
         ``new_kv``: () or :meth:`new_kv_args` of k_new / kv_write_loc as :meth:`__call__` takes them
         (checked by the caller as __call__ checks them; the module must have ``has_new_kv``).
+
+        Raises:
+            ValueError: ``new_kv`` given for a batch from :meth:`check_batch` to a module without ``has_new_kv``
+                (nothing is launched).
+            RuntimeError: the CUDA launch failed.
         """
         if batch.launch_args and batch.launch_args[2] == torch.cuda.current_device():
             head, tail, idx = batch.launch_args
@@ -660,6 +694,9 @@ class VerifyKernel:
         """Checked draft-row arguments of ``batch`` (bs * q_len rows) for :meth:`launch` (see :meth:`__call__`
         for k_new / kv_write_loc).
 
+        Returns:
+            () without k_new; else (k_new address, its row stride in elements, kv_write_loc address or 0,
+            kv_cache rows).
         Raises:
             ValueError: as :meth:`__call__` for these tensors.
         """
@@ -956,7 +993,12 @@ def _check(t, name: str, dtype: torch.dtype, shape: tuple | None = None, ndim: i
 
 def load_so(uri: str, so_path: str | Path) -> VerifyKernel:
     """Load a variant from an explicit .so path (as recorded in the registry or the installed state);
-    the variant's parameters come from its uri."""
+    the variant's parameters come from its uri.
+
+    Raises:
+        ValueError: ``uri`` is not an mlagen variant uri (:meth:`~mlagen.spec.Variant.from_uri`).
+        ImportError: the .so cannot be loaded, or its module name is already loaded from another build.
+    """
     return VerifyKernel(Variant.from_uri(uri), so_path)
 
 
@@ -965,6 +1007,7 @@ def load_variant(uri: str) -> VerifyKernel:
 
     Raises:
         KeyError: the uri was never built (run ``mlagen build SPEC``).
+        ImportError: the registered .so cannot be loaded, or its module name is already loaded from another build.
     """
     from mlagen.registry import Registry
 

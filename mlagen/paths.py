@@ -42,16 +42,21 @@ def generated_dir() -> Path:
 
 
 def variant_dir(uri: str) -> Path:
+    """Directory of one compiled module's rendered source, build.ninja, log and PTX under :func:`generated_dir`;
+    the argument is its build key (:attr:`mlagen.spec.Variant.build_key`, shared by nsplit siblings), not a uri."""
     return generated_dir() / uri
 
 
 def so_dir() -> Path:
+    """Where built modules are installed (``<cache>/lib``, as ``<build_key>.<source hash[:16]><ext suffix>``)."""
     return cache_dir() / "lib"
 
 
 def lock_dir() -> Path:
+    """Per-module build lock files (``<cache>/locks/<build_key>.lock``)."""
     return cache_dir() / "locks"
 
 
 def registry_path() -> Path:
+    """The SQLite registry file (``<cache>/registry.sqlite``)."""
     return cache_dir() / "registry.sqlite"

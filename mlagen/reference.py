@@ -8,8 +8,9 @@ always). Keys are all ``kv_lora_rank + qk_rope_head_dim`` dims of a cache row, v
 ``kv_lora_rank`` dims (absorbed MLA, DeepSeek-V3 paper §2.1 / FlashMLA's layout). A row with no
 visible key gets out = 0 and lse = -inf.
 
-fp8 KV cache (issue #12; not exposed by the spec or the backend yet): a cache of float8_e4m3fn
-values (or their uint8 bytes, SGLang's storage dtype) with per-tensor descales k_scale / v_scale.
+fp8 KV cache (issue #12; spec ``dtype: fp8_e4m3``, served by the SGLang backend for --kv-cache-dtype fp8_e4m3):
+a cache of float8_e4m3fn values (or their uint8 bytes, SGLang's storage dtype) with per-tensor descales
+k_scale / v_scale.
 The bytes are the truth: key = e4m3(byte) x k_scale, value = e4m3(byte)[:kv_lora_rank] x v_scale,
 each one fp32 rounding of the decoded byte times fp32(scale); q, out and lse are as for bf16.
 That is SGLang 0.5.23's Triton backend: scores = (q . k_fp8) x sm_scale x k_scale
@@ -72,6 +73,8 @@ def dequantize_e4m3(kv: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     Returns:
         fp32, the shape of ``kv``: the decoded byte (exact in fp32) times fp32(scale), one rounding.
         NaN bytes (0x7f, 0xff) give NaN; 0x80 gives -0.0.
+    Raises:
+        TypeError: ``kv`` is neither float8_e4m3fn nor uint8.
     """
     b = e4m3_bytes(kv)
     out = _E4M3_TABLE.to(b.device)[b.long()]
@@ -148,7 +151,13 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         kv_cache: bf16 [num_slots, D] or [num_slots, 1, D]; or an fp8 e4m3 cache of the same shape,
             dtype float8_e4m3fn or uint8 (its bytes).
         block_table: int32 [rows, max_pages] page ids (page_size 1: slot ids, SGLang's req_to_token).
-        kv_lens: int [bs] cached tokens per request including the q_len draft tokens.
+        kv_lens: int [bs] cached tokens per request including the q_len draft tokens; <= 0: a padded row
+            (out 0, lse -inf).
+        q_len: draft tokens per request (query i of request b is row b*q_len + i of q).
+        page_size: tokens per page of block_table.
+        softmax_scale: multiplies q . k (before k_scale).
+        kv_lora_rank: dims of V (the first dims of a cache row); 512 for DeepSeek-V3.
+        mask: "tree", "causal" or "none" (see the module docstring).
         tree_mask: int64 [bs, q_len] bitmasks (mask 'tree').
         req_pool_indices: optional int [bs]: request b uses block_table row req_pool_indices[b].
         kv_scale: per-tensor descales, a number (k_scale = v_scale) or a (k_scale, v_scale) pair; None
@@ -162,7 +171,11 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             :func:`mlagen.verify.compare` grows with (fp8 rows at +-448 give outputs in the hundreds).
     Returns:
         out fp32 [bs*q_len, H, kv_lora_rank], lse fp32 [bs*q_len, H] (natural log of the scaled scores;
-        -inf when no key is visible); with ``with_magnitude`` a third tensor, P |V|.
+        -inf when no key is visible), on q's device; with ``with_magnitude`` a third tensor, P |V|.
+    Raises:
+        ValueError: a kv_scale that is not finite and positive, or a sequence that is not a pair
+            (:func:`split_kv_scale`); an unknown mask, or mask "tree" without tree_mask (:func:`visible_mask`:
+            raised at the first request with kv_len > 0).
     """
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1])
     fp8 = is_fp8_kv(kv)
@@ -210,8 +223,17 @@ def mla_verify_naive(q, kv_cache, block_table, kv_lens, *, q_len, page_size, sof
                      mask="tree", tree_mask=None, kv_scale=None):
     """Per-token, per-head, per-key loop in float64 (CPU, tiny shapes): the check on the reference.
 
-    ``kv_cache`` and ``kv_scale`` as in :func:`mla_verify_reference`; an fp8 cache is decoded from its
-    bytes field by field (float64, scale rounded to fp32: the products are exact).
+    Arguments as in :func:`mla_verify_reference`, with no req_pool_indices: request b reads block_table row b.
+    An fp8 cache is decoded from its bytes field by field (float64, scale rounded to fp32: the products are
+    exact). Only "causal" and "tree" filter draft keys: any other mask string (a misspelt one included) is
+    treated as "none", without an error.
+
+    Returns:
+        out float64 [bs*q_len, H, kv_lora_rank] and lse float64 [bs*q_len, H] (natural log; -inf and out 0 for a
+        row with no visible key), on the CPU.
+    Raises:
+        ValueError: a bad kv_scale (:func:`split_kv_scale`; checked only with a kv_scale or an fp8 cache).
+        TypeError: mask "tree" with tree_mask None, once a request has kv_len > 0.
     """
     kv2 = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1]).cpu()
     if kv_scale is None and not is_fp8_kv(kv2):

@@ -72,6 +72,8 @@ class Registry:
     # ---- variants
     def put_variant(self, *, uri: str, spec: str, variant: dict, bucket: str, source_hash: str, nvcc_version: str,
                     archs: list[str], so_path: str, build_seconds: float, resources: dict) -> None:
+        """Insert or replace the row of ``uri`` (``variant``: :meth:`~mlagen.spec.Variant.to_dict`; ``resources``:
+        per-arch ptxas resources; ``build_seconds``: s), stamped with the time and mlagen's version."""
         with self._conn() as c:
             c.execute(
                 "INSERT OR REPLACE INTO variants VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -80,13 +82,18 @@ class Registry:
             )
 
     def get_variant(self, uri: str) -> dict | None:
+        """The row of ``uri`` (``variant`` and ``resources`` decoded from JSON, ``archs`` a list), or None."""
         with self._conn() as c:
             row = c.execute("SELECT * FROM variants WHERE uri=?", (uri,)).fetchone()
         return _variant_row(row) if row else None
 
     def variants(self, pattern: str | None = None) -> list[dict]:
         """All registered variants (uri matching ``pattern`` when given: a shell glob or comma-separated
-        globs, as ``mlagen.spec.uri_matches``), by uri."""
+        globs, as ``mlagen.spec.uri_matches``), by uri.
+
+        Raises:
+            ValueError: the pattern names no glob (only commas / spaces; :func:`mlagen.spec.uri_globs`).
+        """
         from mlagen.spec import uri_matches
 
         with self._conn() as c:
@@ -105,12 +112,15 @@ class Registry:
         return len(stale)
 
     def delete_variant(self, uri: str) -> None:
+        """Delete the row of ``uri`` (nothing when there is none); its verifications and benchmarks stay."""
         with self._conn() as c:
             c.execute("DELETE FROM variants WHERE uri=?", (uri,))
 
     # ---- verifications
     def add_verification(self, *, uri: str, source_hash: str, device: str, arch: str, cases: int, max_err: float,
                          passed: bool, detail: Any = None) -> None:
+        """Append a verification of ``uri`` built from ``source_hash`` on ``device`` / ``arch``: ``cases`` run, the
+        largest abs error ``max_err``, ``passed``, and ``detail`` (anything JSON-serializable)."""
         with self._conn() as c:
             c.execute(
                 "INSERT INTO verifications (uri, source_hash, device, arch, cases, max_err, passed, detail_json, at)"
@@ -119,6 +129,8 @@ class Registry:
             )
 
     def last_verification(self, uri: str, source_hash: str | None = None) -> dict | None:
+        """The latest verification row of ``uri`` (of that ``source_hash`` when given), or None; ``passed`` is
+        0 / 1 and ``detail_json`` stays JSON text."""
         q = "SELECT * FROM verifications WHERE uri=?"
         args: list = [uri]
         if source_hash:
@@ -131,6 +143,9 @@ class Registry:
     # ---- benchmarks
     def add_benchmark(self, *, uri: str, source_hash: str, device: str, arch: str, shape: dict, median_us: float,
                       gbs: float, frac_copy_bw: float | None) -> None:
+        """Append a benchmark of ``uri`` at ``shape`` (:class:`mlagen.bench.Shape` as a dict): ``median_us`` in µs,
+        ``gbs`` in GB/s (1e9 B/s) of the algorithmic bytes, ``frac_copy_bw`` that bandwidth as a fraction of the
+        device's copy bandwidth (None when not measured)."""
         with self._conn() as c:
             c.execute(
                 "INSERT INTO benchmarks (uri, source_hash, device, arch, shape_json, median_us, gbs, frac_copy_bw,"
@@ -140,6 +155,7 @@ class Registry:
             )
 
     def benchmarks(self, uri: str | None = None) -> list[dict]:
+        """Benchmark rows (of ``uri`` when given, else all) in insertion order, ``shape`` decoded from JSON."""
         q, args = "SELECT * FROM benchmarks", []
         if uri:
             q, args = q + " WHERE uri=?", [uri]
@@ -153,11 +169,14 @@ class Registry:
         return out
 
     def best_time(self, uri: str) -> float | None:
+        """The smallest median_us (µs) ever recorded for ``uri``, over every shape, device, arch and source hash;
+        None without benchmarks."""
         with self._conn() as c:
             row = c.execute("SELECT MIN(median_us) FROM benchmarks WHERE uri=?", (uri,)).fetchone()
         return row[0] if row else None
 
     def add_bench_run(self, record: dict) -> int:
+        """Store one ``mlagen bench`` run's record (JSON-serializable); returns its row id."""
         with self._conn() as c:
             cur = c.execute("INSERT INTO bench_runs (at, record_json) VALUES (?, ?)", (time.time(), json.dumps(record)))
             return int(cur.lastrowid)

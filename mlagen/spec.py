@@ -54,6 +54,8 @@ class Param:
     extra: tuple = ()  # extra allowed literal values, e.g. ("auto",)
 
     def describe(self) -> str:
+        """The allowed values for a message: the list, or "int in [lo, hi]", then the extra literals, joined by
+        " or " (e.g. "int in [1, 256] or 'auto'")."""
         parts = []
         if self.allowed is not None:
             parts.append(", ".join(str(v) for v in self.allowed))
@@ -141,6 +143,10 @@ class Variant:
 
     @property
     def uri(self) -> str:
+        """The variant's identity, every field in order, e.g.
+        ``mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm90`` (``_ov1`` with overlap,
+        ``_dimsplit`` / ``_dimsplit_t`` for those schedules, dtype token ``fp8e4m3`` for fp8_e4m3);
+        :meth:`from_uri` parses it back."""
         arch = "_".join(a.replace("_", "") for a in self.archs)
         return (
             f"{self.kernel}_h{self.heads}_q{self.q_len}_kv{self.kv_lora_rank}_rope{self.qk_rope_head_dim}"
@@ -166,14 +172,17 @@ class Variant:
 
     @property
     def dim_qk(self) -> int:
+        """Query / key dims of a cache row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def dim_v(self) -> int:
+        """Value / output dims: kv_lora_rank (the first dims of a cache row; 512 for DeepSeek-V3)."""
         return self.kv_lora_rank
 
     @property
     def rows_max(self) -> int:
+        """(token, head) query rows of one request at the maximum q_len: heads x q_len."""
         return self.heads * self.q_len
 
     @property
@@ -184,6 +193,7 @@ class Variant:
 
     @property
     def row_blocks(self) -> int:
+        """Row blocks per request: ceil(rows_max / rows_per_cta)."""
         return -(-self.rows_max // self.rows_per_cta)
 
     @property
@@ -197,6 +207,7 @@ class Variant:
         return dict(d, name=name, kernel=self.kernel, arch=list(self.archs))
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (archs as a list), as the registry stores them."""
         d = dataclasses.asdict(self)
         d["archs"] = list(self.archs)
         return d
@@ -222,6 +233,12 @@ class Variant:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Variant":
+        """The Variant of a :meth:`to_dict` mapping (archs any sequence). Fields are not validated.
+
+        Raises:
+            KeyError: no ``archs``.
+            TypeError: a missing or unknown field.
+        """
         d = dict(d)
         d["archs"] = tuple(d["archs"])
         return cls(**d)
@@ -514,7 +531,11 @@ def uri_globs(pattern: str | None) -> list[str] | None:
 
 
 def uri_matches(uri: str, pattern: str | None) -> bool:
-    """True when ``uri`` matches any glob of ``pattern`` (see :func:`uri_globs`); always for None."""
+    """True when ``uri`` matches any glob of ``pattern`` (see :func:`uri_globs`; case-sensitive); always for None.
+
+    Raises:
+        ValueError: the pattern names no glob (only commas / spaces).
+    """
     import fnmatch
 
     globs = uri_globs(pattern)

@@ -42,6 +42,19 @@ def compare(p: Problem, out: torch.Tensor, lse: torch.Tensor, dtype: str = "bf16
 
     An output element passes when |out - ref| <= out_atol + out_rtol_mag x (P |V|) of that element (the
     reference's ``with_magnitude``); NaN / inf never passes; rel L2 and lse are bounded as well.
+
+    Args:
+        p: the problem the kernel ran on (the reference runs on it here, on p.q's device).
+        out: [bs*q_len, H, kv_lora_rank], bf16 or fp32 (compared as fp32), on p.q's device.
+        lse: fp32 [bs*q_len, H] (natural log; -inf where no key is visible), on p.q's device.
+        dtype: the variant's KV dtype, a key of ``TOLERANCE`` ("bf16" or "fp8_e4m3").
+        kv_lora_rank: the variant's kv_lora_rank.
+    Returns:
+        A :class:`CaseResult` named after ``p``; ``detail`` lists every failed bound.
+    Raises:
+        KeyError: ``dtype`` is not a key of ``TOLERANCE``.
+        ValueError: from :func:`mlagen.reference.mla_verify_reference` (unknown mask, tree mask missing, bad
+            kv_scale).
     """
     tol = TOLERANCE[dtype]
     ref_out, ref_lse, ref_mag = mla_verify_reference(p.q, p.kv_cache, p.block_table, p.kv_lens,

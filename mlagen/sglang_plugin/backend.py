@@ -9,7 +9,8 @@ Shapes in the verify path (T = bs * q_len tokens, H = heads per rank):
     q  [T, H, 576] bf16 = absorbed q_nope (512) + q_pe (64), as DeepSeek's MLA code passes it to
        RadixAttention for backends outside FORWARD_ABSORB_CORE_ATTENTION_BACKENDS;
     k  [T, 1, 576], v [T, 1, 512] (written to the MLA KV pool at out_cache_loc first);
-    KV pool rows [num_slots, 1, 576] bf16, V = the first 512 dims;
+    KV pool rows [num_slots, 1, 576] bf16, or e4m3 bytes (uint8 storage read as float8_e4m3fn) for
+       --kv-cache-dtype fp8_e4m3, served by dtype fp8_e4m3 variants; V = the first 512 dims;
     out [T, H * 512] bf16.
 SGLang's verify seq_lens exclude the draft tokens, whose slots sit at req_to_token positions
 seq_len .. seq_len + q_len - 1 (see EagleVerifyInput.generate_attn_arg_prefill), so the kernel's
@@ -98,6 +99,8 @@ class MlagenAttnBackend(_Base):
             fallback: the backend for every other mode (default: ``TritonAttnBackend(model_runner)``).
             verify_q_len: draft tokens per request (--speculative-num-draft-tokens); default: the
                 Triton fallback's ``target_verify_num_tokens_per_req``.
+        Raises:
+            MlagenSetupError: with a verify kernel, verify_q_len outside [1, verify_kernel.variant.q_len].
         """
         super().__init__()
         if fallback is None:
@@ -407,7 +410,21 @@ class MlagenAttnBackend(_Base):
 
     # ---------------------------------------------------------------- metadata API
     def init_forward_metadata(self, forward_batch):
-        """Eager metadata (no CUDA graph): the persistent eager buffers, or the Triton fallback's metadata."""
+        """Eager metadata (no CUDA graph) of a TARGET_VERIFY batch (verify kernel) or a plain decode batch (decode
+        kernel); any other batch gets the Triton fallback's metadata (``forward_metadata`` None).
+
+        By default (``direct_eager``) a kernel whose module has ``run_direct`` reads SGLang's seq_lens,
+        req_pool_indices, req_to_token and QLEN_ONLY custom mask itself: nothing is launched and no buffer is
+        filled here, only :meth:`mlagen.ops.VerifyKernel.direct_plan` (kept per (kind, bs, q_len)) and
+        ``direct_batch``. Otherwise (a module without ``run_direct``, a FULL_MASK custom mask, other index layouts
+        or devices) the persistent eager buffers are filled (the fused ``fill_metadata`` launch or the torch
+        helpers of ``metadata.py``) and checked by ``check_batch`` when they changed.
+
+        Raises:
+            ValueError: from ``direct_plan`` / ``direct_batch`` / ``check_batch`` or the fill (e.g. a req_to_token
+                or workspace the kernel cannot take, a QLEN_ONLY mask too small for the batch).
+            RuntimeError: the metadata fill launch failed.
+        """
         kind = self._kind(forward_batch)
         if kind is None:
             self.forward_metadata = None
@@ -446,7 +463,14 @@ class MlagenAttnBackend(_Base):
             self._fallback_graph_ready = True
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Refill the graph buffers (runs eagerly before capture and before every replay)."""
+        """Refill the graph buffers (runs eagerly before capture and before every replay): kv_lens, block table and
+        tree bitmasks of an mlagen batch (causal rows during capture), the fallback's for any other batch.
+
+        Raises:
+            RuntimeError: the batch has more requests than the captured max_bs, or (tree variants) more draft
+                tokens per request than the graph's tree buffer holds (``verify_q_len``); or the fill launch failed.
+            ValueError: from ``check_batch`` of the graph buffers, or the fill (a QLEN_ONLY mask too small).
+        """
         kind = self._kind(forward_batch)
         if kind is None:
             self.forward_metadata = None
@@ -456,10 +480,14 @@ class MlagenAttnBackend(_Base):
         self.forward_metadata = self._prepare(forward_batch, kind, graph=True, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch):
+        """Metadata work inside the captured region: none for mlagen's batches (their kernels read the graph
+        buffers that :meth:`init_forward_metadata_out_graph` refills); the fallback's for any other batch."""
         if self._kind(forward_batch) is None:
             self.fallback.init_forward_metadata_in_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self):
+        """The seq_len SGLang gives padded CUDA-graph rows: the Triton fallback's value (mlagen's fill gives the
+        ``num_padding`` rows kv_len 0 whatever their seq_len)."""
         return self.fallback.get_cuda_graph_seq_len_fill_value()
 
     def _make_verify_mask(self, max_bs: int):
@@ -487,9 +515,15 @@ class MlagenAttnBackend(_Base):
         return self._verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        """A no-op, as in SGLang's Triton backend: nothing here is derived from the draft's tree before the step's
+        metadata call reads it (CUDA graphs: the plan stream's load_batch, which SGLang 0.5.23's run_eagle_verify
+        starts after ``plan_stream.wait_stream(fwd_stream)``; eager: at forward time, or the kernel reads the
+        QLEN_ONLY mask at launch), so there is nothing to redo."""
         pass
 
     def on_after_cuda_graph_warmup(self):
+        """SGLang's hook between the warm-up pass and the capture: forwarded to the Triton fallback (mlagen's graph
+        buffers are refilled before every capture and replay, so nothing of its own needs undoing)."""
         self.fallback.on_after_cuda_graph_warmup()
 
     # ---------------------------------------------------------------- forward
@@ -624,12 +658,39 @@ class MlagenAttnBackend(_Base):
         return (ptr, st[0], loc.data_ptr())
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Extend-mode attention: a TARGET_VERIFY batch with verify metadata runs the mlagen verify kernel; any
+        other batch (prefill, extend, draft extend) the Triton fallback's ``forward_extend``.
+
+        Args (the mlagen path; T = bs * q_len tokens, H = heads per rank):
+            q: bf16 [T', H, 576] (or a view that reshapes to it, e.g. [T', H * 576]), T' >= T; rows past T
+                (DP-attention padding) output 0.
+            k: [T', 1, 576] this step's cache rows (SGLang's ``k``), or None; v: [T', 1, 512].
+            layer: the RadixAttention layer (heads, head dims, scaling, KV scales, layer_id).
+            forward_batch: SGLang's ForwardBatch of the step.
+            save_kv_cache: store k (divided by ``layer.k_scale`` when the layer has KV scales) at
+                ``out_cache_loc`` first: in the verify launch itself when the pool and tensors allow it, else by
+                the pool's ``set_kv_buffer``.
+            kwargs: other attention arguments; only None values are accepted.
+        Returns:
+            out [T', H * 512] in q's dtype (bf16), times the layer's v_scale when it has KV scales.
+        Raises:
+            NotImplementedError: a keyword argument that is not None, logit capping, or a sliding-window layer.
+            MlagenSetupError: the layer has KV scale tensors but no loaded float scales (:func:`kv_descales`).
+            ValueError: a KV pool buffer the kernel cannot read (``check_kv_cache``), or, when q does not fit the
+                unchecked launch (dtype, heads, dims, strides, alignment), the checked call's errors.
+            RuntimeError: the CUDA launch failed.
+        """
         meta = self.forward_metadata
         if meta is not None and meta.kind == "verify" and forward_batch.forward_mode.is_target_verify():
             return self._run(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
         return self.fallback.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Decode-mode attention: a plain decode batch with decode metadata (no speculative info, a decode
+        variant installed) runs the mlagen q_len=1 kernel; any other batch the Triton fallback's
+        ``forward_decode``. Arguments, return value and errors of the mlagen path as :meth:`forward_extend`,
+        with T = bs (one token per request).
+        """
         meta = self.forward_metadata
         if meta is not None and meta.kind == "decode" and forward_batch.forward_mode.is_decode():
             return self._run(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
@@ -637,8 +698,8 @@ class MlagenAttnBackend(_Base):
 
 
 def kv_descales(layer) -> tuple:
-    """(k_descale, v_descale) of a RadixAttention layer over a bf16 MLA pool, as SGLang's Triton backend
-    applies them: checkpoints with a quantization config (e.g. DeepSeek-V3 / Kimi-K2 fp8 weights) give
+    """(k_descale, v_descale) of a RadixAttention layer over a bf16 or fp8_e4m3 MLA pool, as SGLang's Triton
+    backend applies them: checkpoints with a quantization config (e.g. DeepSeek-V3 / Kimi-K2 fp8 weights) give
     every attention layer ``k_scale`` / ``v_scale`` (1.0 once loaded when the checkpoint has no KV
     scales). K is stored divided by ``k_scale``, scores are multiplied by ``k_scale_float`` and the
     output by ``v_scale_float``; (1.0, 1.0) when the layer has no scales.
@@ -713,7 +774,15 @@ def gather_facts(runner) -> ServerFacts:
 
 
 def load_entry(entry: dict):
-    """Load the kernel of an installed entry and check it is the variant the entry describes."""
+    """Load the kernel of an installed entry and check it is the variant the entry describes.
+
+    Raises:
+        MlagenSetupError: the kernel's heads, q_len, page_size, kv_lora_rank, qk_rope_head_dim or mask differ
+            from the entry's.
+        KeyError: the entry lacks one of those fields, ``uri`` or ``so_path``.
+        ValueError: the entry's uri is not an mlagen variant uri.
+        ImportError: the .so cannot be loaded, or its module name is already loaded from another build.
+    """
     from mlagen.ops import load_so
 
     k = load_so(entry["uri"], entry["so_path"])
@@ -745,7 +814,12 @@ def create_mlagen_backend(runner):
     """SGLang attention-backend factory for ``--attention-backend mlagen``.
 
     Raises:
-        MlagenSetupError: unsupported SGLang / model / server flags, or no matching installed variant.
+        MlagenSetupError: unsupported SGLang / model / server flags, no matching installed variant, an installed
+            entry whose kernel is not the variant it describes, or draft tokens that do not fit the verify variant.
+        InstalledStateError: installed.json exists but is not valid (from ``read_installed``; a ValueError, not a
+            MlagenSetupError).
+        ValueError: an installed entry's uri is not an mlagen variant uri.
+        ImportError: an installed .so cannot be loaded (``load_so``).
     """
     facts = gather_facts(runner)
     selection = run_startup_checks(facts, read_installed())

@@ -127,7 +127,12 @@ def _version_tuple(v: str) -> tuple:
 
 
 def check_sglang_version(version: str) -> None:
-    """Raise unless ``version`` is inside :data:`SUPPORTED_SGLANG_RANGE`."""
+    """Check that ``version`` is inside :data:`SUPPORTED_SGLANG_RANGE` (pre-releases of the first unsupported
+    release are outside it).
+
+    Raises:
+        MlagenSetupError: the version is unparsable or outside the range.
+    """
     t = _version_tuple(version)
     # Pre-releases of the first unsupported release are unsupported too (compare releases only).
     if not (_version_tuple(SGLANG_MIN_VERSION) <= t and t[:3] < _version_tuple(SGLANG_MAX_VERSION_EXCLUSIVE)[:3]):
@@ -139,7 +144,14 @@ def check_sglang_version(version: str) -> None:
 
 
 def check_model(f: ServerFacts) -> None:
-    """Raise unless the model / server layout is one the backend can serve."""
+    """Check that the model / server layout is one the backend can serve.
+
+    Raises:
+        MlagenSetupError: a draft worker, a model without MLA attention or with sparse attention (index_topk), no
+            kv_lora_rank / qk_rope_head_dim, a KV cache dtype other than bf16 / fp8 e4m3, decode context
+            parallelism, a translating KV pool, heads that do not split over attention TP, or (speculative) an
+            unsupported algorithm or a draft-token count outside [1, 64].
+    """
     if f.is_draft_worker:
         raise MlagenSetupError(
             "mlagen: the mlagen backend serves the target model only; the draft model needs its own "
@@ -296,7 +308,12 @@ def select_entries(state: Optional[dict], f: ServerFacts) -> Selection:
 
 
 def run_startup_checks(f: ServerFacts, state: Optional[dict]) -> Selection:
-    """All checks in order (version, model, installed variants); returns the selection."""
+    """All checks in order (version, model, installed variants); returns the selection.
+
+    Raises:
+        MlagenSetupError: the first failed check (:func:`check_sglang_version`, :func:`check_model`,
+            :func:`select_entries`).
+    """
     check_sglang_version(f.sglang_version)
     check_model(f)
     return select_entries(state, f)

@@ -24,11 +24,15 @@ def pack_full_mask(custom_mask: torch.Tensor, seq_lens: torch.Tensor, q_len: int
 
     Args:
         custom_mask: bool/uint8 1-D, per request b (in order) a row-major [q_len, seq_lens[b] + q_len]
-            block: row i = draft query i, column c = key position c (prefix then drafts).
+            block: row i = draft query i, column c = key position c (prefix then drafts); it must hold
+            sum_b (seq_lens[b] + q_len) * q_len cells (SGLang's FULL_MASK size).
         seq_lens: int [n] prefix lengths (excluding the draft tokens), the layout's seq lens.
         q_len: draft tokens per request (<= 64).
     Returns:
         int64 [n, q_len]: bit j of [b, i] = query i of request b sees draft token j.
+    Raises:
+        IndexError: a mask shorter than that, on the CPU (on a CUDA device the out-of-range read is a
+            device-side assert, reported as a RuntimeError).
     """
     n = seq_lens.shape[0]
     dev = custom_mask.device
@@ -68,7 +72,8 @@ def pack_qlen_mask(custom_mask: torch.Tensor, n: int, q_len: int) -> torch.Tenso
 
 
 def page_columns(table_width: int, page_size: int, device=None) -> torch.Tensor:
-    """int64 [ceil(width / page_size)]: the req_to_token column of each page's first token."""
+    """int64 [ceil(table_width / page_size)]: the req_to_token column of each page's first token (0, page_size,
+    ...), for a req_to_token of ``table_width`` columns."""
     return torch.arange(0, table_width, page_size, dtype=torch.int64, device=device)
 
 
@@ -92,7 +97,14 @@ def fill_block_table(out: torch.Tensor, req_to_token: torch.Tensor, req_pool_ind
 
 
 def fill_kv_lens(out: torch.Tensor, seq_lens: torch.Tensor, extra: int, num_padding: int) -> None:
-    """out[:bs] = seq_lens + extra (int32); the last ``num_padding`` rows get 0 (padded rows)."""
+    """out[:bs] = seq_lens + extra (int32); the last ``num_padding`` rows get 0 (padded rows).
+
+    Args:
+        out: int32 [>= bs] (kv_lens buffer); rows past bs are untouched.
+        seq_lens: int [bs] (int32 / int64; copied into out's int32), bs = its length.
+        extra: added to every row (q_len for target verify, 0 for decode).
+        num_padding: padded rows at the end of the batch, 0 <= num_padding <= bs.
+    """
     bs = seq_lens.shape[0]
     out[:bs].copy_(seq_lens + extra if extra else seq_lens)
     if num_padding > 0:
