@@ -225,16 +225,19 @@ def mla_verify_naive(q, kv_cache, block_table, kv_lens, *, q_len, page_size, sof
 
     Arguments as in :func:`mla_verify_reference`, with no req_pool_indices: request b reads block_table row b.
     An fp8 cache is decoded from its bytes field by field (float64, scale rounded to fp32: the products are
-    exact). Only "causal" and "tree" filter draft keys: any other mask string (a misspelt one included) is
-    treated as "none", without an error.
+    exact).
 
     Returns:
         out float64 [bs*q_len, H, kv_lora_rank] and lse float64 [bs*q_len, H] (natural log; -inf and out 0 for a
         row with no visible key), on the CPU.
     Raises:
-        ValueError: a bad kv_scale (:func:`split_kv_scale`; checked only with a kv_scale or an fp8 cache).
-        TypeError: mask "tree" with tree_mask None, once a request has kv_len > 0.
+        ValueError: a mask other than "tree", "causal" or "none"; mask "tree" with tree_mask None; a bad kv_scale
+            (:func:`split_kv_scale`; checked only with a kv_scale or an fp8 cache).
     """
+    if mask not in ("tree", "causal", "none"):
+        raise ValueError(f"unknown mask {mask!r}; allowed: none, causal, tree")
+    if mask == "tree" and tree_mask is None:
+        raise ValueError("mask 'tree' needs tree_mask (int64 [bs, q_len] bitmasks)")
     kv2 = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[-1]).cpu()
     if kv_scale is None and not is_fp8_kv(kv2):
         kv = kv2.double()

@@ -67,3 +67,18 @@ def test_reference_ignores_nan_in_unreferenced_rows():
     out, lse = mla_verify_reference(q, kv, table, lens, q_len=3, page_size=4, softmax_scale=0.2, kv_lora_rank=32,
                                     tree_mask=tree)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
+def test_naive_loop_refuses_an_unknown_mask_or_a_tree_without_rows():
+    """The float64 check refuses what the reference refuses: a misspelt mask is an error, not a silent "none"."""
+    q = torch.randn(2, 1, 576, dtype=torch.bfloat16)
+    kv = torch.randn(8, 576, dtype=torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32).reshape(1, 8)
+    lens = torch.tensor([5], dtype=torch.int32)
+    args = dict(q_len=2, page_size=1, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="unknown mask"):
+        mla_verify_naive(q, kv, table, lens, mask="casual", **args)
+    with pytest.raises(ValueError, match="tree_mask"):
+        mla_verify_naive(q, kv, table, lens, mask="tree", **args)
+    out, lse = mla_verify_naive(q, kv, table, lens, mask="causal", **args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
