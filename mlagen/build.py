@@ -298,6 +298,14 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_prog
 def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
     """Check a compiled module, install its .so atomically and register its variants.
     Returns (built, failed)."""
+    try:
+        compiled_source = Path(j.outputs["source"]).read_bytes()
+    except FileNotFoundError:
+        compiled_source = b""
+    if compiled_source != j.source.encode():  # the .cu ninja compiled is not this job's (written before the lock)
+        reason = ("its generated source changed during the build (another mlagen process built the same module from "
+                  "other sources into this MLAGEN_GENERATED_DIR?): not registered; build again")
+        return [], [(v, reason) for v in j.variants]
     resources, reason = check_build(j.variants[0], j.outputs)
     if reason:
         return [], [(v, reason) for v in j.variants]

@@ -26,9 +26,9 @@ from mlagen.spec import MAX_VARIANTS, Spec, SpecError, filter_by_glob, load_spec
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240, soft_wrap=not sys.stdout.isatty())
 
 
-def _n(count: int, noun: str) -> str:
-    """"1 variant", "3 variants"."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """"1 variant", "3 variants" ("1 entry", "2 entries" with ``plural``)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def _spec(path: str, max_variants: int | None = None) -> Spec:
@@ -178,6 +178,7 @@ class _Group(click.Group):
         import sqlite3
 
         from mlagen.ninja_gen import ToolchainError
+        from mlagen.registry import RegistryError
 
         try:
             return super().invoke(ctx)
@@ -187,7 +188,7 @@ class _Group(click.Group):
             except (OSError, ValueError, AttributeError):
                 pass
             ctx.exit(141)
-        except ToolchainError as e:
+        except (ToolchainError, RegistryError) as e:
             raise click.ClickException(str(e)) from None
         except (OSError, sqlite3.DatabaseError) as e:
             raise click.ClickException(f"{type(e).__name__}: {e} (check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR)") from None
@@ -345,8 +346,8 @@ def _bench(uris: list[str], contexts, batches, plot: str | None) -> None:
     verified = []
     for uri in uris:
         row = reg.get_variant(uri)
-        ver = reg.last_verification(uri, row["source_hash"])
-        if ver and ver["passed"] and ver["arch"] == arch:
+        ver = reg.last_verification(uri, row["source_hash"], arch)
+        if ver and ver["passed"]:
             verified.append(uri)
         else:
             console.print(f"[yellow]skip[/] {escape(uri)}: not verified on {arch} (run `mlagen verify`)")
@@ -477,9 +478,9 @@ def list_(kernels: str | None, fmt: str) -> None:
         res = r["resources"]
         per_arch = "  ".join(f"{a}: {res[a]['registers']} / {res[a]['smem']} / {res[a]['spill_stores']}"
                              for a in r["archs"] if a in res)
-        ver = reg.last_verification(r["uri"], r["source_hash"])
-        vs = "-" if ver is None else (f"pass ({ver['arch']})" if ver["passed"] else f"FAIL ({ver['arch']})")
-        best = reg.best_time(r["uri"])
+        vers = [v for v in (reg.last_verification(r["uri"], r["source_hash"], a) for a in r["archs"]) if v]
+        vs = ", ".join(f"{'pass' if v['passed'] else 'FAIL'} ({v['arch']})" for v in vers) or "-"
+        best = reg.best_time(r["uri"], r["source_hash"])
         rows.append((r["uri"], per_arch, vs, "-" if best is None else f"{best:.1f}"))
     head = ("variant", "archs: regs / smem B / spill B", "verify", "best µs")
     if not rows and fmt != "tsv":
@@ -599,6 +600,13 @@ def clean(all_: bool, yes: bool) -> None:
                   + (f"; kept {len(kept)} director(ies) holding files mlagen did not write" if kept else ""))
 
 
+def _installed_lock():
+    """The file lock install and uninstall hold around their read and write of installed.json."""
+    from filelock import FileLock
+
+    return FileLock(str(owned.record(paths.lock_dir() / "installed.json.lock")))
+
+
 def _server_arch(arch: str | None) -> str:
     if arch:
         return arch
@@ -634,15 +642,19 @@ def install(spec_path: str | None, uris: tuple[str, ...], arch: str | None, max_
     dup = sorted({b for b in buckets if buckets.count(b) > 1})
     if dup:
         raise click.ClickException(f"more than one --uri for bucket {dup[0]}: install one variant per bucket")
-    try:
-        old = read_installed()
-    except InstalledStateError as e:
-        raise click.ClickException(str(e)) from None
-    try:
-        path = write_installed(merge_state(old, entries, arch))
-    except InstalledStateError as e:
-        raise click.ClickException(str(e)) from None
-    owned.record(path, written=True)  # absent before, or of mlagen's format (read above): `clean --all` removes it
+    with _installed_lock():  # read, merge, write: a concurrent install's entries are not lost
+        try:
+            old = read_installed()
+        except InstalledStateError as e:
+            raise click.ClickException(str(e)) from None
+        try:
+            path = write_installed(merge_state(old, entries, arch))
+        except InstalledStateError as e:
+            raise click.ClickException(str(e)) from None
+        owned.record(path, written=True)  # absent before, or of mlagen's format (read above): `clean --all` removes it
+    if old and old["arch"] != arch and old["entries"]:
+        console.print(f"replaced the {old['arch']} installed state ({_n(len(old['entries']), 'entry', 'entries')}): "
+                      "installed.json holds one arch")
     for e in entries:
         console.print(f"installed {e['role']} {e['bucket']}: {e['uri']}")
     console.print(f"wrote {path}; launch SGLang with --attention-backend mlagen")
@@ -660,13 +672,23 @@ def status() -> None:
     if not state or not state.get("entries"):
         console.print(f"nothing installed ({installed_path()}); run `mlagen install SPEC`")
         return
+    from mlagen.registry import Registry
+
+    reg = Registry(create=False)
     table = Table("role", "bucket", "variant", ".so", title=f"installed for {state['arch']} ({installed_path()})")
-    missing = 0
+    missing = stale = 0
     for e in state["entries"]:
         ok = Path(e["so_path"]).exists()
+        row = reg.get_variant(e["uri"])
+        rebuilt = ok and row is not None and row["so_path"] != e["so_path"]
         missing += not ok
-        table.add_row(e["role"], e["bucket"], e["uri"], "ok" if ok else "[red]missing[/]")
+        stale += rebuilt
+        table.add_row(e["role"], e["bucket"], e["uri"],
+                      "[red]missing[/]" if not ok else "[yellow]ok, rebuilt since[/]" if rebuilt else "ok")
     console.print(table)
+    if stale:
+        console.print(f"{_n(stale, 'variant')} rebuilt since installed (the server loads the module installed): "
+                      "run `mlagen install` again to serve the new build")
     if missing:
         raise click.ClickException(f"{missing} installed module(s) missing: rebuild and run `mlagen install` again")
 
@@ -677,8 +699,12 @@ def uninstall() -> None:
     wrote it (recorded in the cache's manifest) or it is of mlagen's format; another file of that name stays."""
     from mlagen.sglang_plugin.installed import InstalledStateError, clear_installed, installed_path
 
+    if not os.path.lexists(installed_path()):  # (no lock file on a machine with nothing installed)
+        console.print("nothing was installed")
+        return
     try:
-        removed = clear_installed()
+        with _installed_lock():
+            removed = clear_installed()
     except InstalledStateError as e:
         raise click.ClickException(str(e)) from None
     console.print(f"removed {installed_path()}" if removed else "nothing was installed")

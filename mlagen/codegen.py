@@ -93,7 +93,7 @@ def write_if_changed(path: Path, text: str) -> bool:
     """Write ``text`` to ``path`` only if it differs from the current content. Returns True if written."""
     path = Path(path)
     try:
-        if path.read_text() == text:
+        if path.read_bytes() == text.encode():  # (bytes: a file that is not UTF-8 is simply different)
             return False
     except FileNotFoundError:
         pass

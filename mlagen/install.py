@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from mlagen import __version__
 from mlagen.registry import Registry
@@ -18,18 +19,29 @@ def _geomean(xs: list[float]) -> float:
 
 
 def entry_for(reg: Registry, uri: str, arch: str) -> dict:
-    """Installed-state entry for ``uri``; raises InstallError unless it is built and verified on ``arch``."""
+    """Installed-state entry for ``uri`` (the fields of mlagen.sglang_plugin.installed's schema).
+
+    Raises:
+        InstallError: ``uri`` is not in the registry, was not compiled for ``arch``, has no passing verification
+            of its registered source hash on ``arch`` (the latest one on ``arch`` counts), or its module file is
+            missing.
+    """
     row = reg.get_variant(uri)
     if row is None:
         raise InstallError(f"{uri}: unknown or unbuilt variant (see `mlagen list`); run `mlagen build SPEC` first")
-    ver = reg.last_verification(uri, row["source_hash"])
-    if ver is None or not ver["passed"]:
-        raise InstallError(f"{uri} has no passing verification; run `mlagen verify` on a GPU")
-    if ver["arch"] != arch:
-        raise InstallError(f"{uri} was verified on {ver['arch']}, but the server GPU is {arch}: "
-                           f"run `mlagen verify` on an {arch} machine")
     if arch not in row["archs"]:
         raise InstallError(f"{uri} was not compiled for {arch} (archs: {', '.join(row['archs'])})")
+    ver = reg.last_verification(uri, row["source_hash"], arch)
+    if ver is None:
+        other = reg.last_verification(uri, row["source_hash"])
+        if other is not None and other["passed"]:
+            raise InstallError(f"{uri} was verified on {other['arch']}, but the server GPU is {arch}: "
+                               f"run `mlagen verify` on an {arch} machine")
+        raise InstallError(f"{uri} has no passing verification on {arch}; run `mlagen verify` on an {arch} GPU")
+    if not ver["passed"]:
+        raise InstallError(f"{uri} failed its latest verification on {arch} ({ver['device']}): see `mlagen show {uri}`")
+    if not Path(row["so_path"]).is_file():
+        raise InstallError(f"{uri}: its module {row['so_path']} is missing; run `mlagen build SPEC` again")
     v = Variant.from_dict(row["variant"])
     return dict(uri=uri, so_path=row["so_path"], role="decode" if v.q_len == 1 else "verify", heads=v.heads,
                 q_len=v.q_len, page_size=v.page_size, kv_lora_rank=v.kv_lora_rank,
@@ -43,11 +55,21 @@ def pick_fastest(reg: Registry, spec: Spec, arch: str) -> list[dict]:
     no shape common to the timed candidates, the first timed one (spec order) is taken; with none timed, the
     first verified one.
 
+    Only the spec's feasible variants count (those ``mlagen build`` builds: :func:`mlagen.feasibility.split_feasible`),
+    so a bucket whose every variant is infeasible (e.g. an e4m3 KV cache with a schedule that has no e4m3 path) is
+    left out, as ``mlagen build`` left it out.
+
     Raises:
-        InstallError: a bucket has no verified variant on ``arch``.
+        InstallError: a bucket with feasible variants has no verified variant on ``arch``, or the spec has no
+            feasible variant at all.
     """
+    from mlagen.feasibility import split_feasible
+
+    feasible, _ = split_feasible(spec.variants())
+    if not feasible:
+        raise InstallError(f"no feasible variant in {spec.source} (see `mlagen generate {spec.source}`)")
     buckets: dict[str, list[Variant]] = {}
-    for v in spec.variants():
+    for v in feasible:
         buckets.setdefault(v.bucket, []).append(v)
     chosen = []
     for bucket, vs in buckets.items():

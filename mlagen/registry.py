@@ -34,8 +34,17 @@ CREATE TABLE IF NOT EXISTS bench_runs (id INTEGER PRIMARY KEY AUTOINCREMENT, at 
 """
 
 
+_LOCK_WAIT_S = 60  # how long a call waits for another process's write lock (sqlite3 busy timeout), s
+
+
+class RegistryError(RuntimeError):
+    """The registry file cannot be used: not an SQLite database, a damaged row, or another process held its write
+    lock past the wait; the message names the file and what to do."""
+
+
 class Registry:
-    """Thin wrapper over one sqlite3 database file; safe across processes (sqlite's own locking)."""
+    """Thin wrapper over one sqlite3 database file; safe across processes (sqlite's own locking). Its methods raise
+    :class:`RegistryError` when the file is not a usable registry."""
 
     def __init__(self, path: str | Path | None = None, *, create: bool = True):
         """Open (``create``: create when missing) the registry at ``path`` (default :func:`mlagen.paths.registry_path`).
@@ -59,15 +68,38 @@ class Registry:
 
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(":memory:" if self._empty else self.path, timeout=60)
+        conn = sqlite3.connect(":memory:" if self._empty else self.path, timeout=_LOCK_WAIT_S)
         if self._empty:
             conn.executescript(_SCHEMA)
         conn.row_factory = sqlite3.Row
         try:
             with conn:
                 yield conn
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e):
+                raise RegistryError(f"{self.path}: another mlagen process held the registry's write lock for "
+                                    f"{_LOCK_WAIT_S} s (a long build or bench?); try again when it is done") from e
+            raise
+        except sqlite3.DatabaseError as e:
+            if "not a database" in str(e) or "malformed" in str(e):
+                raise RegistryError(f"{self.path}: not a usable mlagen registry ({e}); move it away, or remove it "
+                                    "with `mlagen clean --all` if mlagen wrote it, and build again") from e
+            raise
         finally:
             conn.close()
+
+    def _variant_row(self, row: sqlite3.Row) -> dict:
+        d = dict(row)
+        try:
+            d["variant"] = json.loads(d.pop("variant_json"))
+            d["resources"] = json.loads(d.pop("resources_json") or "{}")
+            d["archs"] = d["archs"].split(",")
+            if not isinstance(d["variant"], dict) or not isinstance(d["resources"], dict):
+                raise TypeError("not a JSON object")
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise RegistryError(f"{self.path}: damaged row for {d.get('uri')!r} ({type(e).__name__}: {e}); remove "
+                                "the registry with `mlagen clean --all` and build again") from None
+        return d
 
     # ---- variants
     def put_variant(self, *, uri: str, spec: str, variant: dict, bucket: str, source_hash: str, nvcc_version: str,
@@ -85,7 +117,7 @@ class Registry:
         """The row of ``uri`` (``variant`` and ``resources`` decoded from JSON, ``archs`` a list), or None."""
         with self._conn() as c:
             row = c.execute("SELECT * FROM variants WHERE uri=?", (uri,)).fetchone()
-        return _variant_row(row) if row else None
+        return self._variant_row(row) if row else None
 
     def variants(self, pattern: str | None = None) -> list[dict]:
         """All registered variants (uri matching ``pattern`` when given: a shell glob or comma-separated
@@ -98,7 +130,7 @@ class Registry:
 
         with self._conn() as c:
             rows = c.execute("SELECT * FROM variants ORDER BY uri").fetchall()
-        return [v for v in (_variant_row(r) for r in rows) if uri_matches(v["uri"], pattern)]
+        return [v for v in (self._variant_row(r) for r in rows) if uri_matches(v["uri"], pattern)]
 
     def drop_stale_build(self, build_key: str, source_hash: str) -> int:
         """Delete variants compiled into module ``build_key`` from another source hash (they would
@@ -128,14 +160,17 @@ class Registry:
                 (uri, source_hash, device, arch, cases, max_err, int(passed), json.dumps(detail), time.time()),
             )
 
-    def last_verification(self, uri: str, source_hash: str | None = None) -> dict | None:
-        """The latest verification row of ``uri`` (of that ``source_hash`` when given), or None; ``passed`` is
-        0 / 1 and ``detail_json`` stays JSON text."""
+    def last_verification(self, uri: str, source_hash: str | None = None, arch: str | None = None) -> dict | None:
+        """The latest verification row of ``uri`` (of that ``source_hash`` and on that ``arch`` when given), or None;
+        ``passed`` is 0 / 1 and ``detail_json`` stays JSON text."""
         q = "SELECT * FROM verifications WHERE uri=?"
         args: list = [uri]
         if source_hash:
             q += " AND source_hash=?"
             args.append(source_hash)
+        if arch:
+            q += " AND arch=?"
+            args.append(arch)
         with self._conn() as c:
             row = c.execute(q + " ORDER BY id DESC LIMIT 1", args).fetchone()
         return dict(row) if row else None
@@ -168,11 +203,14 @@ class Registry:
             out.append(d)
         return out
 
-    def best_time(self, uri: str) -> float | None:
-        """The smallest median_us (µs) ever recorded for ``uri``, over every shape, device, arch and source hash;
-        None without benchmarks."""
+    def best_time(self, uri: str, source_hash: str | None = None) -> float | None:
+        """The smallest median_us (µs) recorded for ``uri`` (built from ``source_hash`` when given), over every
+        shape, device and arch; None without benchmarks."""
+        q, args = "SELECT MIN(median_us) FROM benchmarks WHERE uri=?", [uri]
+        if source_hash:
+            q, args = q + " AND source_hash=?", [uri, source_hash]
         with self._conn() as c:
-            row = c.execute("SELECT MIN(median_us) FROM benchmarks WHERE uri=?", (uri,)).fetchone()
+            row = c.execute(q, args).fetchone()
         return row[0] if row else None
 
     def add_bench_run(self, record: dict) -> int:
@@ -181,10 +219,3 @@ class Registry:
             cur = c.execute("INSERT INTO bench_runs (at, record_json) VALUES (?, ?)", (time.time(), json.dumps(record)))
             return int(cur.lastrowid)
 
-
-def _variant_row(row: sqlite3.Row) -> dict:
-    d = dict(row)
-    d["variant"] = json.loads(d.pop("variant_json"))
-    d["resources"] = json.loads(d.pop("resources_json") or "{}")
-    d["archs"] = d["archs"].split(",")
-    return d

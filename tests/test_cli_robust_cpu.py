@@ -773,3 +773,108 @@ def test_a_fork_while_a_manifest_lock_is_held_does_not_keep_it(tmp_path):
         os.close(fd)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_registry_damage_and_a_held_lock_are_one_line_errors(fake_cuda, tmp_path, monkeypatch):
+    """A registry row that is not JSON, a file that is not SQLite, and another process holding the write lock past
+    the wait: each a one-line error naming the registry, for list, show and install."""
+    import sqlite3
+
+    from mlagen import registry as registry_mod
+    from mlagen.registry import Registry
+
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    reg = Registry()
+    uri = reg.variants()[0]["uri"]
+    with sqlite3.connect(reg.path) as c:
+        c.execute("UPDATE variants SET variant_json='{not json' WHERE uri=?", (uri,))
+    for cmd in (["list"], ["show", uri], ["install", "--arch", "sm_90", "--uri", uri]):
+        r = CliRunner().invoke(main, cmd)
+        assert r.exit_code == 1 and "damaged row" in _one_error_line(r) and str(reg.path) in r.output, (cmd, r.output)
+    monkeypatch.setattr(registry_mod, "_LOCK_WAIT_S", 0.2)
+    holder = sqlite3.connect(reg.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        r = CliRunner().invoke(main, ["list"])
+        assert r.exit_code == 1 and "held the registry's write lock" in _one_error_line(r), r.output
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    reg.path.write_bytes(b"not a database at all" * 100)
+    r = CliRunner().invoke(main, ["list"])
+    assert r.exit_code == 1 and "not a usable mlagen registry" in _one_error_line(r), r.output
+
+
+def test_list_shows_this_builds_verifications_per_arch_and_its_best_time(fake_cuda, tmp_path):
+    """`mlagen list` after a rebuild from new sources: the old build's benchmark no longer shows as the best time;
+    verifications of the current build show per arch."""
+    from mlagen.registry import Registry
+
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0, r.output
+    reg = Registry()
+    row = reg.variants()[0]
+    uri, src = row["uri"], row["source_hash"]
+    shape = dict(heads=8, q_len=9, batch_size=1, context=4096, page_size=1)
+    reg.add_benchmark(uri=uri, source_hash="older-build", device="H200", arch="sm_90", shape=shape, median_us=12.5,
+                      gbs=1.0, frac_copy_bw=0.1)
+    reg.add_benchmark(uri=uri, source_hash=src, device="H200", arch="sm_90", shape=shape, median_us=20.25, gbs=1.0,
+                      frac_copy_bw=0.1)
+    for arch, ok in (("sm_90", True), ("sm_120", False)):
+        reg.add_verification(uri=uri, source_hash=src, device="x", arch=arch, cases=9, max_err=0.0, passed=ok)
+    r = CliRunner().invoke(main, ["list", "--format", "tsv", "--kernels", uri])
+    line = next(l for l in r.output.splitlines() if l.startswith(uri))
+    verdicts = {"sm_90": "pass (sm_90)", "sm_120": "FAIL (sm_120)"}
+    assert line.split("\t")[2:] == [", ".join(verdicts[a] for a in row["archs"]), "20.2"], line
+
+
+def test_installed_json_that_is_a_fifo_or_nested_too_deeply_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    installed = tmp_path / "cache" / "installed.json"
+    os.mkfifo(installed)
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked on a FIFO installed.json"))
+    signal.alarm(10)
+    try:
+        for cmd in (["status"], ["uninstall"], ["install", "--arch", "sm_90", "--uri", "mla_verify_x"]):
+            r = CliRunner().invoke(main, cmd)
+            assert r.exit_code == 1 and "Traceback" not in r.output, (cmd, r.output)
+        assert "not a regular file" in _one_error_line(CliRunner().invoke(main, ["status"]))
+    finally:
+        signal.alarm(0)
+    installed.unlink()
+    installed.write_text("[" * 100000 + "]" * 100000)
+    r = CliRunner().invoke(main, ["status"])
+    assert r.exit_code == 1 and "nested too deeply" in _one_error_line(r), r.output
+    r = CliRunner().invoke(main, ["uninstall"])  # not mlagen's (unrecorded, not of its format): left in place
+    assert r.exit_code == 1 and "left in place" in _one_error_line(r) and installed.exists(), r.output
+
+
+def test_generated_file_that_is_not_utf8_is_rewritten(fake_cuda, tmp_path):
+    r = CliRunner().invoke(main, ["generate", str(fake_cuda)])
+    assert r.exit_code == 0, r.output
+    src = next((tmp_path / "generated").rglob("*.cu"))
+    src.write_bytes(b"\xff\xfe stale bytes")
+    r = CliRunner().invoke(main, ["generate", str(fake_cuda)])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert src.read_bytes().startswith(b"// stand-in source of ")
+
+
+def test_a_source_rewritten_during_the_build_is_not_registered(fake_cuda, tmp_path, monkeypatch):
+    """Another build of the same module from other sources rewrote the .cu after this build generated it: this
+    build's registration refuses the module (its hash would not describe what nvcc compiled)."""
+    from mlagen import build as build_mod
+
+    real_register = build_mod._register
+
+    def rewritten_first(spec, j, secs, reg):
+        Path(j.outputs["source"]).write_text("// another build's source\n")
+        return real_register(spec, j, secs, reg)
+
+    monkeypatch.setattr(build_mod, "_register", rewritten_first)
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 1 and "generated source changed during the build" in r.output, r.output
+    from mlagen.registry import Registry
+
+    assert Registry(create=False).variants() == []

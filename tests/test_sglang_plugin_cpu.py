@@ -1181,3 +1181,30 @@ def test_eager_direct_plans_kept_per_batch_size(kv_write_loc):
     step(3)
     assert k2.counts["direct_plan"] == 1 and all(p[0] is k2 for p in s.be._direct_plans.values())
     assert len(s.be._direct_plans) == 1
+
+
+def test_load_entry_refuses_missing_unloadable_and_mislabelled_modules(tmp_path, monkeypatch):
+    """At server start an installed entry whose .so is gone, is not a loadable module, whose uri is not a variant
+    uri, or whose kv_dtype is not its kernel's: a MlagenSetupError saying to build and install again (not an
+    ImportError / ValueError from deep inside, and not a failure at the first launch)."""
+    pytest.importorskip("sglang")
+    from mlagen import ops
+    from mlagen.sglang_plugin.backend import load_entry
+    from mlagen.spec import parse_spec
+
+    v = parse_spec(dict(name="e", heads_per_rank=8, q_len=9, page_size=1, nsplit="auto", dtype="fp8_e4m3",
+                        schedule="dimsplit_t", row_tiles=3, num_warps=8, stages=2, block_n=32)).variants()[0]
+    so = tmp_path / "m.so"
+    entry = dict(uri=v.uri, so_path=str(so), heads=8, q_len=9, page_size=1, kv_lora_rank=512, qk_rope_head_dim=64,
+                 mask="tree", kv_dtype="fp8_e4m3")
+    with pytest.raises(MlagenSetupError, match="is missing"):
+        load_entry(entry)
+    so.write_bytes(b"\x7fELF not really")
+    with pytest.raises(MlagenSetupError, match="cannot load installed entry .*ImportError"):
+        load_entry(entry)
+    with pytest.raises(MlagenSetupError, match="cannot load installed entry .*ValueError"):
+        load_entry(dict(entry, uri="mla_verify_garbage"))
+    monkeypatch.setattr(ops, "load_so", lambda uri, path: types.SimpleNamespace(variant=v))
+    assert load_entry(entry).variant is v
+    with pytest.raises(MlagenSetupError, match="kv_dtype='bf16' but its kernel has 'fp8_e4m3'"):
+        load_entry(dict(entry, kv_dtype="bf16"))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -777,21 +778,31 @@ def load_entry(entry: dict):
     """Load the kernel of an installed entry and check it is the variant the entry describes.
 
     Raises:
-        MlagenSetupError: the kernel's heads, q_len, page_size, kv_lora_rank, qk_rope_head_dim or mask differ
-            from the entry's.
-        KeyError: the entry lacks one of those fields, ``uri`` or ``so_path``.
-        ValueError: the entry's uri is not an mlagen variant uri.
-        ImportError: the .so cannot be loaded, or its module name is already loaded from another build.
+        MlagenSetupError: the entry's .so is missing or cannot be loaded (e.g. replaced by another build, or its
+            module name already loaded from another build), its uri is not an mlagen variant uri, or the kernel's
+            heads, q_len, page_size, kv_lora_rank, qk_rope_head_dim, mask or KV dtype differ from the entry's; the
+            message says to build and install again.
+        KeyError: the entry lacks one of those fields, ``uri`` or ``so_path`` (``read_installed`` validates them).
     """
     from mlagen.ops import load_so
 
-    k = load_so(entry["uri"], entry["so_path"])
+    again = "run `mlagen build SPEC` and `mlagen install` again (or `mlagen uninstall`)"
+    if not os.path.isfile(entry["so_path"]):
+        raise MlagenSetupError(f"mlagen: the module of installed entry {entry['uri']} is missing "
+                               f"({entry['so_path']}); {again}.")
+    try:
+        k = load_so(entry["uri"], entry["so_path"])
+    except (ImportError, ValueError) as e:
+        raise MlagenSetupError(f"mlagen: cannot load installed entry {entry['uri']} from {entry['so_path']} "
+                               f"({type(e).__name__}: {e}); {again}.") from e
     v = k.variant
-    for field in ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim", "mask"):
-        if getattr(v, field) != entry[field]:
+    fields = [(f, getattr(v, f)) for f in ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim", "mask")]
+    for field, have in fields + [("kv_dtype", v.dtype)]:
+        want = entry.get(field, "bf16") if field == "kv_dtype" else entry[field]
+        if have != want:
             raise MlagenSetupError(
-                f"mlagen: installed entry {entry['uri']} says {field}={entry[field]!r} but its kernel has "
-                f"{getattr(v, field)!r}; run `mlagen uninstall` and install again."
+                f"mlagen: installed entry {entry['uri']} says {field}={want!r} but its kernel has "
+                f"{have!r}; run `mlagen uninstall` and install again."
             )
     return k
 
@@ -815,11 +826,10 @@ def create_mlagen_backend(runner):
 
     Raises:
         MlagenSetupError: unsupported SGLang / model / server flags, no matching installed variant, an installed
-            entry whose kernel is not the variant it describes, or draft tokens that do not fit the verify variant.
+            entry whose module is missing, cannot be loaded or is not the variant it describes (:func:`load_entry`),
+            or draft tokens that do not fit the verify variant.
         InstalledStateError: installed.json exists but is not valid (from ``read_installed``; a ValueError, not a
             MlagenSetupError).
-        ValueError: an installed entry's uri is not an mlagen variant uri.
-        ImportError: an installed .so cannot be loaded (``load_so``).
     """
     facts = gather_facts(runner)
     selection = run_startup_checks(facts, read_installed())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,13 @@ def read_installed(path: str | os.PathLike | None = None) -> dict | None:
     Returns:
         The state dict, or None when the file does not exist.
     Raises:
-        InstalledStateError: the file exists but is not valid JSON or not of the schema.
+        InstalledStateError: the file exists but is not a regular file, not UTF-8 JSON (or nested too deeply), or not
+            of the schema.
     """
     p = Path(path) if path is not None else installed_path()
     try:
+        if not stat.S_ISREG(os.stat(p).st_mode):  # a FIFO would block the read, a directory fail it
+            raise InstalledStateError(f"{p}: not a regular file, so not an mlagen installed state")
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
@@ -122,6 +126,8 @@ def read_installed(path: str | os.PathLike | None = None) -> dict | None:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InstalledStateError(f"{p}: not valid JSON ({e}); run `mlagen uninstall` and install again") from e
+    except RecursionError:
+        raise InstalledStateError(f"{p}: JSON nested too deeply, so not an mlagen installed state") from None
     try:
         return validate_state(data)
     except InstalledStateError as e:
