@@ -520,13 +520,20 @@ def uri_globs(pattern: str | None) -> list[str] | None:
     no comma; spaces around each are ignored). None (or an empty string) selects everything.
 
     Raises:
-        ValueError: the pattern is only commas / spaces (it names no glob).
+        ValueError: the pattern is only commas / spaces (it names no glob), or a comma splits a ``[...]`` set
+            (e.g. ``*_st[3,4]_*``: write ``*_st[34]_*``).
     """
     if not pattern:
         return None
     globs = [g.strip() for g in pattern.split(",") if g.strip()]
     if not globs:
         raise ValueError(f"--kernels {short_repr(pattern)} names no glob")
+    inside = False  # within a [...] set of the whole pattern
+    for c in pattern:
+        inside = (inside and c != "]") or (not inside and c == "[")
+        if inside and c == ",":
+            raise ValueError(f"--kernels {short_repr(pattern)}: a comma inside [...] splits the pattern (commas "
+                             "separate globs; a set lists its characters without commas, e.g. [34])")
     return globs
 
 

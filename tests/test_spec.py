@@ -414,3 +414,13 @@ def test_size_error_lists_a_few_sweeps_then_the_count():
 def test_bad_sweeps_name_the_entry_and_key(sweeps, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(dict(BASE, sweeps=sweeps))
+
+
+def test_kernels_pattern_with_a_comma_inside_a_set_is_refused():
+    """`--kernels '*_st[3,4]_*'` would split into '*_st[3' and '4]_*' and match nothing: an error that says why."""
+    from mlagen.spec import uri_globs
+
+    with pytest.raises(ValueError, match=r"comma inside \[...\]"):
+        uri_globs("*_st[3,4]_*")
+    assert uri_globs("*_st[34]_*,*_rt1_*") == ["*_st[34]_*", "*_rt1_*"]
+    assert uri_globs("*]*") == ["*]*"]
