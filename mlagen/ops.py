@@ -328,11 +328,11 @@ class VerifyKernel:
         Raises:
             ValueError: nothing is launched when: q_len is not an int in [1, variant.q_len]; softmax_scale is not
                 a finite number in (0, 3e38); a tensor has the wrong type, dtype, shape, device, strides or
-                alignment (out / lse rows overlapping included); bs > 65,535; block_table has fewer than bs rows
-                without req_pool_indices; a tree variant gets no tree_mask; the workspace is too small,
+                alignment (out / lse rows overlapping included); out, lse and kv_lens overlap each other; bs >
+                65,535; block_table is empty or has fewer than bs rows without req_pool_indices; a tree variant gets no tree_mask; the workspace is too small,
                 not contiguous, not 16-byte aligned or overlaps an input or output; kv_write_loc comes without
-                k_new; k_new is given to a module built before draft-row support; k_new overlaps kv_cache
-                (with kv_write_loc).
+                k_new; k_new is given to a module built before draft-row support; with kv_write_loc, k_new overlaps
+                kv_cache or kv_cache rows are not 16-byte (e4m3: 8-byte) aligned for the draft-row store.
             RuntimeError: the CUDA launch failed.
         """
         v = self.variant
@@ -360,6 +360,10 @@ class VerifyKernel:
                 raise ValueError(f"lse must have a contiguous last dim and non-overlapping rows; strides {lse.stride()}")
         if workspace is not None:
             _check(workspace, "workspace", torch.float32, ndim=1)
+        named = dict(out=out, lse=lse, kv_lens=kv_lens)  # the combine writes out and lse while it reads kv_lens
+        for a, b in (("out", "lse"), ("out", "kv_lens"), ("lse", "kv_lens")):
+            if named[a] is not None and named[b] is not None and _overlap(named[a], named[b]):
+                raise ValueError(f"{a} overlaps {b}")
         k_new2 = self._check_new_kv(k_new, kv_write_loc, bs * q_len, kv2)
         _check_devices(q.device, [q, kv2, block_table, kv_lens, out, tree_mask, req_pool_indices, lse, workspace,
                                   k_new2, kv_write_loc])
@@ -392,6 +396,11 @@ class VerifyKernel:
             _check(kv_write_loc, "kv_write_loc", torch.int64, shape=(tokens,))
             if not kv_write_loc.is_contiguous():
                 raise ValueError("kv_write_loc must be contiguous")
+            # the store writes 8 values per instruction (mla_verify_new_kv.cuh): 16 bytes of bf16, 8 of e4m3
+            align = 8 if kv2.element_size() == 1 else 16
+            if kv2.data_ptr() % align or (kv2.stride(0) * kv2.element_size()) % align:
+                raise ValueError(f"kv_cache rows must be {align}-byte aligned for the draft-row store (kv_write_loc); "
+                                 f"row stride {kv2.stride(0)} elements, address % {align} = {kv2.data_ptr() % align}")
             lo, hi = _span(kv2)
             if k_new.numel() and _span(k_new)[0] < hi and lo < _span(k_new)[1]:
                 raise ValueError("k_new overlaps kv_cache, which the launch writes")
@@ -562,7 +571,7 @@ class VerifyKernel:
         (include/mlagen/mla_verify_metadata.cuh); the fused form of the torch helpers in
         ``mlagen.sglang_plugin.metadata``, with exactly their results. No allocation, no host sync
         (CUDA-graph safe). Called once per step by the backend, which owns the output buffers: only
-        cheap checks here (dtypes, the mask mode and size); shapes and strides are the caller's.
+        cheap checks here (dtypes, devices, the sizes the buffers hold, the mask mode and size).
 
         Args:
             kv_lens: int32 [>= bs], contiguous; [:bs] gets seq_lens + extra, 0 for the last ``num_padding``.
@@ -585,9 +594,12 @@ class VerifyKernel:
             custom_mask: bool/uint8 1-D contiguous verify mask (the mask modes); FULL_MASK cells past its
                 end read as 0 (the torch helper would fail on such a mask).
         Raises:
-            ValueError: a wrong dtype, a non-contiguous input / last dim, an unknown tree_mode, a mask mode
-                without a custom mask, or a QLEN_ONLY mask of fewer than (bs - num_padding) * q_len * q_len
-                cells (the message of ``pack_qlen_mask``). Nothing is launched.
+            ValueError: a wrong dtype or device, a non-contiguous input / last dim, a page_size other than the
+                variant's, sizes the buffers do not hold (bs rows of kv_lens / block_table / req_pool_indices /
+                tree_mask, npages columns, q_len tree columns, (npages - 1) * page_size < req_to_token's width;
+                extra, num_padding, npages, q_len ints in range), an unknown tree_mode, a mask mode without a custom
+                mask, or a QLEN_ONLY mask of fewer than (bs - num_padding) * q_len * q_len cells (the message of
+                ``pack_qlen_mask``). Nothing is launched.
             RuntimeError: sizes out of range for the kernel, or the launch failed.
         """
         self.metadata_filler(kv_lens, block_table, req_to_token, tree_mask=tree_mask, page_size=page_size)(
@@ -604,7 +616,8 @@ class VerifyKernel:
             A :class:`MetadataFill`; ``filler(seq_lens, req_pool_indices, extra=, num_padding=, npages=, q_len=,
             tree_mode=, custom_mask=)`` is ``fill_metadata`` with these buffers.
         Raises:
-            ValueError: a buffer of the wrong dtype or with a non-contiguous (last) dim.
+            ValueError: a buffer of the wrong dtype, rank or device, or with a non-contiguous (last) dim; a page_size
+                other than the variant's.
         """
         if kv_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or req_to_token.dtype != torch.int32:
             raise ValueError(f"kv_lens, block_table and req_to_token must be int32, got {kv_lens.dtype}, "
@@ -612,9 +625,17 @@ class VerifyKernel:
         if not (kv_lens.is_contiguous() and block_table.stride(-1) == 1 and req_to_token.stride(-1) == 1):
             raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
                              "req_to_token need a contiguous last dim")
-        if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1):
-            raise ValueError(f"tree_mask must be torch.int64 with a contiguous last dim, got {tree_mask.dtype} "
+        if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1
+                                      or tree_mask.dim() != 2):
+            raise ValueError(f"tree_mask must be torch.int64, 2-D, with a contiguous last dim; got {tree_mask.dtype} "
                              f"strides {tree_mask.stride()}")
+        if kv_lens.dim() != 1 or block_table.dim() != 2 or req_to_token.dim() != 2:
+            raise ValueError(f"kv_lens must be 1-D, block_table and req_to_token 2-D; got {kv_lens.dim()}, "
+                             f"{block_table.dim()} and {req_to_token.dim()} dims")
+        if page_size != self.variant.page_size:
+            raise ValueError(f"page_size {page_size!r} is not {self.variant.uri}'s {self.variant.page_size}: the "
+                             f"block table would name other pages")
+        _check_devices(kv_lens.device, [kv_lens, block_table, req_to_token, tree_mask])
         return MetadataFill(self.module, kv_lens.device.index,
                             (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0]),
                             (kv_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
@@ -702,6 +723,7 @@ class VerifyKernel:
         """
         kv2 = self.check_kv_cache(kv_cache)
         k2 = self._check_new_kv(k_new, kv_write_loc, batch.bs * batch.q_len, kv2)
+        _check_devices(batch.workspace.device, [kv2, k2, kv_write_loc])
         return self._new_kv_args(k2, kv_write_loc, kv2)
 
     def _check_batch_tensors(self, kv_lens, block_table, q_len, tree_mask, req_pool_indices) -> int:
@@ -716,6 +738,9 @@ class VerifyKernel:
         _check(block_table, "block_table", torch.int32, ndim=2)
         if block_table.stride(1) != 1:
             raise ValueError("block_table must have a contiguous last dim")
+        if bs > 0 and (block_table.shape[0] == 0 or block_table.shape[1] == 0):
+            raise ValueError(f"block_table {tuple(block_table.shape)} is empty: it must hold a page per "
+                             f"page_size tokens of every request")
         if req_pool_indices is not None:
             if not isinstance(req_pool_indices, torch.Tensor) or req_pool_indices.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"req_pool_indices must be int32 or int64, got {getattr(req_pool_indices, 'dtype', req_pool_indices)}")
@@ -740,7 +765,8 @@ class VerifyKernel:
         _check(workspace, "workspace", torch.float32, ndim=1)
         if not workspace.is_contiguous() or workspace.numel() < need or workspace.data_ptr() % 16:
             raise ValueError(f"workspace must be contiguous, 16-byte aligned fp32 with >= {need} elements "
-                             f"(alloc_workspace({bs})), got {workspace.numel()}")
+                             f"(alloc_workspace({bs})), got {workspace.numel()} elements, contiguous "
+                             f"{workspace.is_contiguous()}, address % 16 = {workspace.data_ptr() % 16}")
         _check_no_overlap(workspace, need, others)
         return workspace
 
@@ -819,6 +845,23 @@ class MetadataFill:
     :meth:`VerifyKernel.metadata_filler`, which holds them alive). Calling it checks the step's inputs and
     launches include/mlagen/mla_verify_metadata.cuh on the current stream (no allocation, no host sync)."""
 
+    def _check_sizes(self, bs: int, rpi_len: int, extra, num_padding, npages, q_len) -> None:
+        """The step's sizes against the bound buffers (host ints only): every write and read of the fill stays inside
+        kv_lens [:bs], block_table [:bs, :npages], tree_mask [:bs, :q_len] and req_to_token's width."""
+        kv_lens, block_table, req_to_token, tree_mask = self._keep
+        for name, x, lo, hi in (("extra", extra, 0, 2**31 - 1), ("num_padding", num_padding, 0, bs),
+                                ("npages", npages, 0, block_table.shape[1]), ("q_len", q_len, 0, 64)):
+            if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {x!r}")
+        if rpi_len < bs or kv_lens.shape[0] < bs or block_table.shape[0] < bs:
+            raise ValueError(f"a batch of {bs} requests needs >= {bs} req_pool_indices, kv_lens and block_table rows; "
+                             f"got {rpi_len}, {kv_lens.shape[0]} and {block_table.shape[0]}")
+        if npages > 0 and (npages - 1) * self._page_size >= req_to_token.shape[1]:
+            raise ValueError(f"npages {npages} at page_size {self._page_size} reads past req_to_token's "
+                             f"{req_to_token.shape[1]} columns")
+        if tree_mask is not None and (tree_mask.shape[0] < bs or q_len > tree_mask.shape[1]):
+            raise ValueError(f"tree_mask {tuple(tree_mask.shape)} is smaller than the batch's [{bs}, {q_len}]")
+
     __slots__ = ("_module", "_device_index", "_table", "_outs", "_has_tree", "_page_size", "_keep")
 
     def __init__(self, module, device_index, table: tuple, outs: tuple, has_tree: bool, page_size: int, keep: tuple):
@@ -833,6 +876,7 @@ class MetadataFill:
                              f"{req_pool_indices.dtype}")
         if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous()):
             raise ValueError("seq_lens and req_pool_indices must be contiguous")
+        _check_devices(self._keep[0].device, [seq_lens, req_pool_indices, custom_mask])
         if self._has_tree:
             mode = _TREE_MODES.get(tree_mode)
             if mode is None:
@@ -852,10 +896,12 @@ class MetadataFill:
         unless causal, a contiguous bool/uint8 custom_mask.
 
         Raises:
-            ValueError: a QLEN_ONLY custom_mask with fewer cells than (bs - num_padding) * q_len^2.
-            RuntimeError: sizes out of range for the kernel, or the launch failed.
+            ValueError: sizes the bound buffers do not hold (as :meth:`VerifyKernel.fill_metadata`), or a
+                QLEN_ONLY custom_mask with fewer cells than (bs - num_padding) * q_len^2.
+            RuntimeError: the launch failed.
         """
         bs = seq_lens.shape[0]
+        self._check_sizes(bs, req_pool_indices.shape[0], extra, num_padding, npages, q_len)
         mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
         if self._has_tree:
             mode = _TREE_MODES[tree_mode]
@@ -911,6 +957,11 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) that a strided tensor can touch."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two tensors intersect (empty tensors never do)."""
+    return bool(a.numel() and b.numel() and _span(a)[0] < _span(b)[1] and _span(b)[0] < _span(a)[1])
 
 
 def _check_no_overlap(workspace: torch.Tensor, numel: int, others: dict) -> None:

@@ -165,7 +165,10 @@ def mla_verify_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             v_scale (:func:`dequantize_e4m3` for fp8), so scores = q . k_stored x softmax_scale x k_scale
             and out = softmax(scores) V_stored x v_scale: SGLang 0.5.23's Triton backend
             (extend_attention.py:646 / :713, decode_attention.py:1305 / :1016; docs/fp8-kv-cache.md).
-            Only rows of visible positions (< kv_len) are read: NaN bytes elsewhere never matter.
+            Only rows of positions < kv_len are read: NaN bytes elsewhere never matter. A NaN in a draft row
+            (a position in [kv_len - q_len, kv_len)) reaches every query row of its request, also those the mask
+            hides it from (their weight 0 times NaN in P V), as in the kernels' P V MMAs; :func:`mla_verify_naive`
+            skips hidden keys instead, so the two agree wherever the draft rows are finite.
         with_magnitude: also return P |V| (fp32, out's shape): the scale of each output element's rounding
             error (bf16 P and bf16 out each round by at most 2^-8 of it), which the tolerance of
             :func:`mlagen.verify.compare` grows with (fp8 rows at +-448 give outputs in the hundreds).

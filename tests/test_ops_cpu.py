@@ -664,3 +664,79 @@ def test_merge_counters_only_for_workspaces_mlagen_zeroed(monkeypatch):
     assert ops.fused_merge_default() is False
     monkeypatch.setenv("MLAGEN_FUSED_MERGE", "1")
     assert ops.fused_merge_default() is True
+
+
+def _on_gpu_but_host(monkeypatch):
+    """As _on_gpu, but tensors tagged ``_host = True`` report the CPU (a host tensor passed by mistake)."""
+    _on_gpu(monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "device", property(
+        lambda self: torch.device("cpu") if getattr(self, "_host", False) else torch.device("cuda", 0)))
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    t._host = True
+    return t
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(npages=7), "npages must be an int in [0, 6]"),
+    (dict(extra=2**31), "extra must be an int in [0, 2147483647]"),
+    (dict(num_padding=4), "num_padding must be an int in [0, 3]"),
+    (dict(q_len=13), "tree_mask (4, 12) is smaller than the batch's [3, 13]"),
+    (dict(seq_lens=torch.tensor([5, 7, 1, 2, 3])), "needs >= 5 req_pool_indices, kv_lens and block_table rows"),
+    (dict(req_to_token=torch.zeros(4, 3, dtype=torch.int32)), "npages 4 at page_size 1 reads past req_to_token's 3"),
+    (dict(page_size=4), "page_size 4 is not"),
+    (dict(seq_lens=_host(torch.tensor([5, 7, 1]))), "all tensors must be on a CUDA device"),
+    (dict(custom_mask=_host(torch.ones(243, dtype=torch.bool))), "all tensors must be on a CUDA device"),
+    (dict(req_to_token=_host(torch.zeros(4, 32, dtype=torch.int32))), "all tensors must be on a CUDA device"),
+])
+def test_fill_metadata_refuses_sizes_its_buffers_do_not_hold_and_host_tensors(monkeypatch, kw, message):
+    """The fill writes kv_lens [:bs], block_table [:bs, :npages], tree_mask [:bs, :q_len] and reads req_to_token up to
+    column (npages - 1) * page_size, all from device pointers: a size past a buffer, a page_size other than the
+    variant's (the table would name other pages) or a host tensor is refused before the launch."""
+    _on_gpu_but_host(monkeypatch)
+    k = _kernel()
+    k.module = _FillModule()
+    d = dict(_meta_inputs(), extra=9, num_padding=1, npages=4, page_size=1, q_len=9, tree_mode="qlen_only",
+             custom_mask=torch.ones(243, dtype=torch.bool))
+    d.update(kw)
+    with pytest.raises(ValueError) as e:
+        k.fill_metadata(d.pop("kv_lens"), d.pop("block_table"), d.pop("seq_lens"), d.pop("req_pool_indices"),
+                        d.pop("req_to_token"), **d)
+    assert message in str(e.value)
+    assert k.module.calls == 0
+
+
+def test_draft_row_store_alignment_devices_and_output_overlaps_are_refused(monkeypatch):
+    """The draft-row store writes 16 bytes of bf16 per instruction, so a cache whose rows are 4- but not 16-byte
+    aligned (enough for load_width 32) is refused with kv_write_loc; new_kv_args refuses host tensors as __call__
+    does; out overlapping lse or kv_lens (the combine writes one while reading the other) and an empty block table
+    are refused. Nothing launches."""
+    _on_gpu_but_host(monkeypatch)
+    k = _kernel(load_width=32)
+    k.module = _AbiModule()
+    d = _inputs(bs=3)
+    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
+    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
+    k_new = torch.randn(27, 1, 576).to(torch.bfloat16)
+    loc = torch.randint(0, 100, (27,), dtype=torch.int64)
+    odd = torch.randn(100 * 580 + 2).to(torch.bfloat16)[2:].view(100, 580)[:, :576]  # 4-byte aligned rows
+    assert k.check_kv_cache(odd) is not None  # fine to read at load_width 32
+    _call(k, dict(d, kv_cache=odd), out=out, workspace=ws)  # and to launch without the store
+    calls = k.module.calls
+    with pytest.raises(ValueError, match="16-byte aligned for the draft-row store"):
+        _call(k, dict(d, kv_cache=odd), out=out, workspace=ws, k_new=k_new, kv_write_loc=loc)
+    batch = k.check_batch(d["kv_lens"], d["block_table"], q_len=9, tree_mask=d["tree_mask"], workspace=ws)
+    for args in ((_host(torch.randn(27, 576).to(torch.bfloat16)), loc), (k_new, _host(loc.clone()))):
+        with pytest.raises(ValueError, match="all tensors must be on a CUDA device"):
+            k.new_kv_args(batch, *args, d["kv_cache"])
+    lse = torch.empty(27, 8, dtype=torch.float32)
+    overlapping_lse = out.view(-1).view(torch.float32)[:27 * 8].view(27, 8)
+    with pytest.raises(ValueError, match="out overlaps lse"):
+        _call(k, d, out=out, lse=overlapping_lse, workspace=ws)
+    kv_lens_in_out = out.view(-1)[:6].view(torch.int32)
+    with pytest.raises(ValueError, match="out overlaps kv_lens"):
+        _call(k, dict(d, kv_lens=kv_lens_in_out), out=out, lse=lse, workspace=ws)
+    with pytest.raises(ValueError, match="block_table .* is empty"):
+        _call(k, dict(d, block_table=torch.zeros(3, 0, dtype=torch.int32)), out=out, workspace=ws)
+    assert k.module.calls == calls, "a rejected call launched"

@@ -393,7 +393,8 @@ class MlagenAttnBackend(_Base):
             ws = self._eager_workspace(kernel, bs)
         meta, filler = self._plan(kind, graph, kernel, kv_lens, table, q_len, tree, ws, fused, dims)
 
-        if filler is not None and rpi.is_cuda and layout_ok:
+        if (filler is not None and rpi.is_cuda and seq_lens.is_cuda and (custom is None or custom.is_cuda)
+                and layout_ok):
             # the fused fill writes npages columns of the full-width table
             filler.launch(seq_lens, rpi, extra=extra, num_padding=npad, npages=npages, q_len=q_len, tree_mode=mode,
                           custom_mask=custom)
