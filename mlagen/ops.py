@@ -594,8 +594,8 @@ class VerifyKernel:
             custom_mask: bool/uint8 1-D contiguous verify mask (the mask modes); FULL_MASK cells past its
                 end read as 0 (the torch helper would fail on such a mask).
         Raises:
-            ValueError: a wrong dtype or device, a non-contiguous input / last dim, a page_size other than the
-                variant's, sizes the buffers do not hold (bs rows of kv_lens / block_table / req_pool_indices /
+            ValueError: a wrong dtype or device, a non-contiguous input / last dim, a page_size below 1, sizes
+                the buffers do not hold (bs rows of kv_lens / block_table / req_pool_indices /
                 tree_mask, npages columns, q_len tree columns, (npages - 1) * page_size < req_to_token's width;
                 extra, num_padding, npages, q_len ints in range), an unknown tree_mode, a mask mode without a custom
                 mask, or a QLEN_ONLY mask of fewer than (bs - num_padding) * q_len * q_len cells (the message of
@@ -617,7 +617,8 @@ class VerifyKernel:
             tree_mode=, custom_mask=)`` is ``fill_metadata`` with these buffers.
         Raises:
             ValueError: a buffer of the wrong dtype, rank or device, or with a non-contiguous (last) dim; a page_size
-                other than the variant's.
+                below 1. (The fill does not depend on the variant: the kernel that reads the table must use the same
+                page_size, which the SGLang backend's startup checks ensure.)
         """
         if kv_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or req_to_token.dtype != torch.int32:
             raise ValueError(f"kv_lens, block_table and req_to_token must be int32, got {kv_lens.dtype}, "
@@ -632,9 +633,8 @@ class VerifyKernel:
         if kv_lens.dim() != 1 or block_table.dim() != 2 or req_to_token.dim() != 2:
             raise ValueError(f"kv_lens must be 1-D, block_table and req_to_token 2-D; got {kv_lens.dim()}, "
                              f"{block_table.dim()} and {req_to_token.dim()} dims")
-        if page_size != self.variant.page_size:
-            raise ValueError(f"page_size {page_size!r} is not {self.variant.uri}'s {self.variant.page_size}: the "
-                             f"block table would name other pages")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         _check_devices(kv_lens.device, [kv_lens, block_table, req_to_token, tree_mask])
         return MetadataFill(self.module, kv_lens.device.index,
                             (req_to_token.data_ptr(), req_to_token.stride(0), req_to_token.shape[0]),

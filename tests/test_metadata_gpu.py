@@ -139,8 +139,8 @@ def test_fill_metadata_matches_torch_helpers(kernel, ps, mode):
 
 
 def test_fill_metadata_errors(kernel):
-    """The cheap checks: dtypes, the tree mode, and a QLEN_ONLY mask too small for the real rows (the
-    message of pack_qlen_mask); nothing is written."""
+    """The cheap checks: dtypes, devices, sizes against the buffers, the tree mode, and a QLEN_ONLY mask too small for
+    the real rows (the message of pack_qlen_mask); nothing is written."""
     dev = "cuda"
     bs, q_len = 3, 9
     kv, table, tree = _poisoned(bs, 4, q_len)
@@ -160,7 +160,11 @@ def test_fill_metadata_errors(kernel):
         kernel.fill_metadata(kv, table, lens.float(), rpi, r2t, **kw)
     with pytest.raises(ValueError, match="kv_lens, block_table and req_to_token must be int32"):
         kernel.fill_metadata(kv.long(), table, lens, rpi, r2t, **kw)
-    with pytest.raises(RuntimeError, match="fill_metadata launch"):  # the launcher's own range check
+    with pytest.raises(ValueError, match=r"num_padding must be an int in \[0, 3\]"):
         kernel.fill_metadata(kv, table, lens, rpi, r2t, **dict(kw, num_padding=bs + 1))
+    with pytest.raises(ValueError, match=rf"npages must be an int in \[0, {4 + PAD_COLS}\]"):  # the table's columns
+        kernel.fill_metadata(kv, table, lens, rpi, r2t, **dict(kw, npages=5 + PAD_COLS))
+    with pytest.raises(ValueError, match="all tensors must be on a CUDA device"):
+        kernel.fill_metadata(kv, table, lens.cpu(), rpi, r2t, **kw)
     torch.cuda.synchronize()
     assert (kv == POISON32).all() and (table == POISON32).all() and (tree == POISON64).all()

@@ -685,7 +685,7 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     (dict(q_len=13), "tree_mask (4, 12) is smaller than the batch's [3, 13]"),
     (dict(seq_lens=torch.tensor([5, 7, 1, 2, 3])), "needs >= 5 req_pool_indices, kv_lens and block_table rows"),
     (dict(req_to_token=torch.zeros(4, 3, dtype=torch.int32)), "npages 4 at page_size 1 reads past req_to_token's 3"),
-    (dict(page_size=4), "page_size 4 is not"),
+    (dict(page_size=0), "page_size must be an int >= 1"),
     (dict(seq_lens=_host(torch.tensor([5, 7, 1]))), "all tensors must be on a CUDA device"),
     (dict(custom_mask=_host(torch.ones(243, dtype=torch.bool))), "all tensors must be on a CUDA device"),
     (dict(req_to_token=_host(torch.zeros(4, 32, dtype=torch.int32))), "all tensors must be on a CUDA device"),
