@@ -228,7 +228,12 @@ if __name__ == "__main__":
     ap.add_argument("--mma-streams", action="store_true",
                     help="instead: the mma.sync rate of 1-8 warps per scheduler with 1-12 independent accumulators "
                          "(a markdown table)")
-    if ap.parse_args().mma_streams:
+    mma_streams = ap.parse_args().mma_streams
+    if mma_streams:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("ceilings.py --mma-streams: needs a CUDA GPU (none visible to torch)")
         print("| warps per scheduler | chains per warp | A from | TFLOP/s | fraction of the 32-warp rate |")
         print("|---|---|---|---|---|")
         table = mma_sync_stream_table(report=lambda r: print(

@@ -152,11 +152,11 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--build-only", action="store_true",
                     help="compile the tuning sweeps of the selected shapes into the build cache and stop (no GPU needed)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
-    ap.add_argument("--heads", help="only these H (comma-separated), to split the full grid over several jobs")
-    ap.add_argument("--batches", help="only these batch sizes (comma-separated)")
-    ap.add_argument("--q-lens", help="only these q_len (comma-separated; the grids hold 9 and, for H 8, 1)")
-    ap.add_argument("--page-sizes", help="only these page sizes (comma-separated)")
-    ap.add_argument("--contexts", help="only these contexts in tokens (comma-separated)")
+    ap.add_argument("--heads", type=_int_list, help="only these H (comma-separated), to split the full grid over several jobs")
+    ap.add_argument("--batches", type=_int_list, help="only these batch sizes (comma-separated)")
+    ap.add_argument("--q-lens", type=_int_list, help="only these q_len (comma-separated; the grids hold 9 and, for H 8, 1)")
+    ap.add_argument("--page-sizes", type=_int_list, help="only these page sizes (comma-separated)")
+    ap.add_argument("--contexts", type=_int_list, help="only these contexts in tokens (comma-separated)")
     ap.add_argument("--kernels", metavar="GLOB", type=_kernels_arg, help="only tuning variants whose uri matches this shell glob, or any of "
                     "several comma-separated ones (e.g. '*_bn32_w8_rt[12]_st2_t*,*_w16_*'; keep the ns field free so "
                     "auto and fixed NSPLIT both build)")
@@ -167,6 +167,14 @@ def _parse(argv=None) -> argparse.Namespace:
                     "measures its shapes (ceilings, mlagen and SGLang side by side on that GPU) and the rows are merged")
     ap.add_argument("--shard", help=argparse.SUPPRESS)  # internal (--gpus): grid indices this worker measures
     return ap.parse_args(argv)
+
+
+def _int_list(text: str) -> str:
+    """argparse type of the comma-separated filters (--heads 8,16): the text, once every item is a positive int."""
+    items = [x.strip() for x in text.split(",")]
+    if not items or not all(x.isdigit() and int(x) > 0 for x in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return text
 
 
 def _select_grid(a: argparse.Namespace) -> list[tuple]:
@@ -483,6 +491,8 @@ def main(argv=None) -> int:
     fi_cols, fi_smem = _fi_setup(a, smem_cap)
     wait_fi = fib.prebuild_in_background(fi_cols, fi_smem) if fi_cols else None  # JIT while mlagen builds
     ceil = ceilings.measure_ceilings()
+    if ceil["copy_gbs"] is None or ceil["mma_tflops"] is None:  # the floor columns need both
+        sys.exit(f"run_bench: a ceiling could not be measured on this GPU: {ceil['errors']}")
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, mma.sync bf16 {ceil['mma_tflops']:.0f} TFLOP/s {ceil['errors'] or ''}",
           flush=True)
 

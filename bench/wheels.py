@@ -225,6 +225,9 @@ def cmd_check_fi(wheel: str, full: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cmd, *args = sys.argv[1:]
-    {"have": cmd_have, "clean": cmd_clean, "slim": cmd_slim, "slim-fi": cmd_slim_fi,
-     "check-fi": cmd_check_fi}[cmd](*args)
+    _CMDS = {"have": (cmd_have, (3,)), "clean": (cmd_clean, (2,)), "slim": (cmd_slim, (2,)),
+             "slim-fi": (cmd_slim_fi, (2,)), "check-fi": (cmd_check_fi, (1, 2))}
+    if len(sys.argv) < 2 or sys.argv[1] not in _CMDS or len(sys.argv) - 2 not in _CMDS[sys.argv[1]][1]:
+        sys.exit("usage: python3 bench/wheels.py have DEST NAME VER | clean DEST NAME | slim SRC DEST | slim-fi SRC DEST"
+                 " | check-fi WHEEL [FULL_WHEEL] (see the module docstring)")
+    _CMDS[sys.argv[1]][0](*sys.argv[2:])

@@ -590,3 +590,67 @@ def test_run_bench_never_replaces_files_it_did_not_write(tmp_path, capsys):
             user.write_bytes(saved)
     (tmp_path / "afile").write_text("x")
     assert "is not a directory" in run_bench.out_dir_problem(tmp_path / "afile")
+
+
+def _env_checkout(tmp_path):
+    """A copy of tools/device_env.sh in a stand-in checkout, with a python3 that does nothing (no pip install)."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "co" / "tools").mkdir(parents=True)
+    shutil.copy(root / "tools" / "device_env.sh", tmp_path / "co" / "tools" / "device_env.sh")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    return tmp_path / "co"
+
+
+def _alive(marker: str) -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    return [p for p in out if p.isdigit()]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_device_env_stops_every_step_and_its_children_on_a_signal(tmp_path, sig):
+    """tools/device_env.sh's step(): a signal to the script (as Ctrl-C reaches a terminal's foreground group) stops
+    the script, a parallel part's running step and the foreground step, children included, and no further step
+    starts; a step past its limit has its whole process tree killed."""
+    import os
+    import signal as signal_mod
+    import subprocess
+    import time
+
+    co = _env_checkout(tmp_path)
+    marker = f"sleep 3{os.getpid() % 100:02d}.5"
+    (co / "tools" / "s.sh").write_text(
+        "set -u\n. \"$(dirname \"$0\")/device_env.sh\"\n"
+        f"( step a 100 bash -c '{marker} & {marker}; wait'; step a2 100 {marker} ) > \"$OUT/p.txt\" 2>&1 &\n"
+        f"step b 100 bash -c '{marker} & {marker}; wait'\necho after-b\nwait\n")
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    p = subprocess.Popen(["bash", str(co / "tools" / "s.sh")], env=env, start_new_session=True, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(_alive(marker)) < 4 and time.monotonic() < deadline:  # 2 steps x (timeout, bash, 2 sleeps)
+            time.sleep(0.1)
+        assert len(_alive(marker)) >= 4
+        os.killpg(p.pid, getattr(signal_mod, sig))
+        out = p.communicate(timeout=30)[0]
+        time.sleep(1)
+        assert p.returncode == 130 and "after-b" not in out, out
+        assert _alive(marker) == [], "processes left running"
+        assert not (tmp_path / "out" / "a2.log").exists(), "a step started after the signal"
+        assert not [f for f in os.listdir(tmp_path / "out") if f.startswith(".steps.") or f.startswith(".session")]
+    finally:
+        for pid in _alive(marker):
+            os.kill(int(pid), signal_mod.SIGKILL)
+    (co / "tools" / "t.sh").write_text(
+        "set -u\n. \"$(dirname \"$0\")/device_env.sh\"\n"
+        f"step late 1 bash -c '{marker} & {marker}; wait'\n")
+    r = subprocess.run(["bash", str(co / "tools" / "t.sh")], env=env, capture_output=True, text=True, timeout=60)
+    time.sleep(0.5)
+    assert "late: rc=124" in r.stdout and "TIMED OUT at 1s" in r.stdout, r.stdout
+    assert _alive(marker) == []

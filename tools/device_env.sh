@@ -1,9 +1,24 @@
-# Sourced by tools/device_session.sh and tools/device_probe.sh on the GPU machine: $OUT, the build
-# cache, the carried wheels (.whl/ and .whl_fi/ -> /tmp/site on PYTHONPATH), mlagen itself, and step(), which runs
-# one command under a time limit with its log in $OUT and prints a one-line summary.
+# Sourced by tools/device_session.sh and tools/device_probe.sh on the GPU machine: the checkout's root as the
+# working directory, $OUT (absolute), the build cache, the carried wheels (.whl/ and .whl_fi/ -> /tmp/site on
+# PYTHONPATH), mlagen itself, and step(), which runs one command under a time limit with its log in $OUT and prints a
+# one-line summary. Ctrl-C, SIGTERM or SIGHUP stops the script and every running step's whole process tree.
 # (python3 -m pip: on the H200 image `pip` belongs to another interpreter.)
-OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlc} PYTHONUNBUFFERED=1 COLUMNS=250
+STEP_T0="$OUT/.session-start.$$"; touch "$STEP_T0"  # what this run writes under $OUT is newer than this
+_STEPS="$OUT/.steps.$$"; : > "$_STEPS"  # the running steps' timeout processes (each leads its own process group)
+_stop() {  # stop the background parts (they would start their next step), then every step's process group
+  trap '' INT TERM HUP
+  local j; j=$(jobs -p)
+  [ -n "$j" ] && kill -TERM $j 2>/dev/null
+  while read -r p; do kill -TERM -- "-$p" 2>/dev/null; done < "$_STEPS"
+  rm -f "$_STEPS" "$STEP_T0"
+  echo "stopped by a signal: the running steps were killed" >&2
+  exit 130
+}
+trap _stop INT TERM HUP
+trap 'rm -f "$_STEPS" "$STEP_T0"' EXIT
 : > "$OUT/whl.log"
 for d in .whl .whl_fi; do  # SGLang's wheels, FlashInfer's (bench/fetch_wheels.sh); whichever the call carried
   ls "$d"/*.whl > /dev/null 2>&1 || continue
@@ -12,5 +27,22 @@ for d in .whl .whl_fi; do  # SGLang's wheels, FlashInfer's (bench/fetch_wheels.s
 done
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || echo "pip -e: see pip.log"
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?;
-         echo "$name: rc=$rc $((SECONDS - t0))s | $(grep -E 'passed|failed|skipped|error|ERROR SUMMARY|built [0-9]+ variants|wrote' "$OUT/$name.log" | tail -1)"; }
+# step NAME LIMIT_S CMD...: CMD's output in $OUT/NAME.log; SIGTERM at the limit, SIGKILL 20 s later (timeout -k),
+# to CMD's whole process group (nvcc, ninja and pytest's children included); prints "NAME: rc=.. Ns | summary".
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  [ -e "$_STEPS" ] || return 130  # the script is stopping
+  timeout -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  echo "$pid" >> "$_STEPS"
+  wait "$pid"
+  local rc=$? summary
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    summary="TIMED OUT at ${limit}s"
+  else
+    summary=$(grep -E 'passed|failed|skipped|error|ERROR SUMMARY|built [0-9]+ variants?|wrote' "$OUT/$name.log" | tail -1)
+  fi
+  echo "$name: rc=$rc $((SECONDS - t0))s | $summary"
+  return "$rc"
+}

@@ -40,13 +40,17 @@ case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
   *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, diag, trace)" >&2
      exit 2 ;;
 esac
+case "${1:-tests}" in  # what a mode needs, also before the set-up
+  grid) [ -n "${HEADS:-}" ] || { echo "device_session.sh grid: give HEADS=8 (or 16,64)" >&2; exit 2; } ;;
+  schedule) [ -n "${KERNELS:-}" ] || { echo "device_session.sh schedule: give KERNELS=globs" >&2; exit 2; } ;;
+esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
 # The tiles that win somewhere on the small grid (H 8 / 16 / 64, q_len 9 and 1): dimsplit_t, dimsplit, rowblock
 RELEASE_KERNELS="*_lw128_bn32_w8_rt3_st[34]_dimsplit_t_*,*_lw128_bn32_w6_rt1_st[34]_dimsplit_t_*,*_lw128_bn32_w8_rt[56]_st3_dimsplit_tree*,*_lwbulk_bn32_w8_rt[12]_st2_tree*,*_lwbulk_bn32_w16_rt1_st2_causal*,*_lw128_bn32_w8_rt1_st2_causal*"
 sglang_test() {
-  python3 tools/sglang_test_import.py > "$OUT/sglang_import.log" 2>&1; tail -25 "$OUT/sglang_import.log"
+  step sglang_import 120 python3 tools/sglang_test_import.py; tail -25 "$OUT/sglang_import.log"
   # every case's module in one parallel build first (built one at a time on first use, the 32 modules alone take
   # longer than a device call); SGL_ONLY="fp8_e4m3" (prebuild --only items) with SGL_K="fp8" (pytest -k) runs a part
   step sglang_prebuild 300 python3 tests/sglang_gpu_variants.py -j "$(nproc)" $(for x in ${SGL_ONLY:-}; do echo --only "$x"; done)
@@ -58,7 +62,7 @@ sglang_test() {
     step backend_step "${STEP_LIMIT:-150}" python3 bench/backend_step.py --contexts 16384,65536 --batches 1,4 ${STEP_ARGS:-}
     grep -E "^\||variant|not measured|Error" "$OUT/backend_step.log" | tail -8
   else
-    python3 tools/sglang_import_probe.py > "$OUT/sglang_probe.log" 2>&1; tail -6 "$OUT/sglang_probe.log"
+    step sglang_probe 120 python3 tools/sglang_import_probe.py; tail -6 "$OUT/sglang_probe.log"
   fi
 }
 memcheck() {  # compute-sanitizer memcheck, quick verification set, of each URI given
@@ -87,6 +91,7 @@ elif [ "$MODE" = tests ]; then
     mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90 0 0 quick
   step cli_build 180 python3 -m mlagen.cli build specs/kimi-k2-tp8-verify.yaml
 elif [ "$MODE" = release2 ]; then
+  KERNELS=${KERNELS:-$RELEASE_KERNELS}
   # two GPUs, one call, everything a release needs measured side by side: GPU 0 the SGLang backend test,
   # backend_step and memcheck of MEMCHECK_URIS; GPU 1 the bench (FlashInfer columns, KERNELS tiles) natively
   # and at sm_120 occupancy, then racecheck of MEMCHECK_URIS; every log packed into $OUT/logs.tgz
@@ -106,7 +111,11 @@ elif [ "$MODE" = release2 ]; then
   wait
   cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
-  (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz . && find . -mindepth 1 -delete && mv /tmp/logs.tgz .)
+  # pack what this run wrote under $OUT (nothing older) into $OUT/logs.tgz, then remove those files
+  (cd "$OUT" && find . -type f -newer "$STEP_T0" ! -name logs.tgz ! -name '.session-start.*' ! -name '.steps.*' \
+     ! -name .logs.list ! -name .logs.tgz.part \
+     -print0 > .logs.list && tar czf .logs.tgz.part --null -T .logs.list && xargs -0 rm -f < .logs.list \
+     && rm -f .logs.list && mv -f .logs.tgz.part logs.tgz && find . -mindepth 1 -type d -empty -newer "$STEP_T0" -delete)
 elif [ "$MODE" = dst ]; then
   # the dimsplit_t release checks on one GPU, first of two calls (each fits the 10-minute call limit), all in
   # parallel (~6.5 min on an H200): its GPU tests (bf16: full case set, equality with rowblock, other row counts;
@@ -240,7 +249,7 @@ elif [ "$MODE" = consumers ]; then
   # where the dimsplit kernel's issue slots go at 64k bs1 (ncu: instruction mix per pipe, warp states, and
   # per-SASS-instruction counters of the hot loop; the report itself stays in $OUT for the ncu GUI)
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt5_st3_dimsplit_tree_bf16_sm120_sm90}
-  python3 tools/device_profile.py "$URI" 65536 1 > "$OUT/prof_build.log" 2>&1
+  step prof_build 300 python3 tools/device_profile.py "$URI" 65536 1
   # sections only (their metric names are ncu's own on every arch) plus the two metrics device_probe.sh uses
   P="smsp__issue_active.avg.per_cycle_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"
   step ncu_mix "${NCU_LIMIT:-240}" ncu --clock-control none --kernel-name regex:dimsplit --launch-skip 2 --launch-count 1 \
@@ -255,7 +264,7 @@ elif [ "$MODE" = fixed ]; then
   # 64k / 128k with caches left as the previous launch leaves them (--cache-control none; the third launch of
   # each is read), then the warp states of the 4k partial kernel (prologue / epilogue heavy) ≈ 3 min
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  python3 tools/device_profile.py "$DST_URI" 4096 1 > "$OUT/prof_build.log" 2>&1
+  step prof_build 300 python3 tools/device_profile.py "$DST_URI" 4096 1
   for c in 4096 16384 65536 131072; do
     step "ncu_fixed_$c" 90 ncu --cache-control none --clock-control none --kernel-name regex:"dimsplit_t|combine" \
       --launch-skip 4 --launch-count 2 --metrics gpu__time_duration.sum python3 tools/device_profile.py "$DST_URI" $c 1
@@ -271,7 +280,8 @@ elif [ "$MODE" = sglang ]; then
   sglang_test
 elif [ "$MODE" = grid ]; then
   [ "${SGL:-0}" = 1 ] && sglang_test
-  step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" --out "$OUT" \
+  step "bench_h${HEADS//,/_}" "${BENCH_LIMIT:-330}" python3 bench/run_bench.py --grid full --heads "$HEADS" \
+    --out "$OUT/h${HEADS//,/_}" \
     ${BATCHES:+--batches "$BATCHES"} ${PAGE_SIZES:+--page-sizes "$PAGE_SIZES"} ${CONTEXTS:+--contexts "$CONTEXTS"} ${SMEM:+--smem-per-sm "$SMEM"}
   grep -E "^\||^H=|ns[0-9a-z]+=|ceilings|built|failed" "$OUT/bench_h${HEADS//,/_}.log" | tail -70
 elif [ "$MODE" = bench ]; then

@@ -122,7 +122,10 @@ def main() -> int:
         if name == "MLAGEN_DST_TRACE":
             sys.exit("--define MLAGEN_DST_TRACE: the trace build sets it itself")
         defines.append((name, value))
-    v = Variant.from_uri(a.uri)
+    try:
+        v = Variant.from_uri(a.uri)
+    except ValueError as e:
+        ap.error(str(e))
     if v.schedule != "dimsplit_t":
         sys.exit(f"{a.uri}: MLAGEN_DST_TRACE is a dimsplit_t define (schedule {v.schedule})")
     if not torch.cuda.is_available():

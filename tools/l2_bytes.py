@@ -30,6 +30,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,21 @@ SECTOR_BYTES = 32  # an L2 sector
 D_QK = 576
 
 
-def kv_bytes(bs: int, ctx: int, dim_qk: int = D_QK) -> int:
-    """KV bytes one call must read (bf16): bs * ctx * dim_qk * 2."""
-    return bs * ctx * dim_qk * 2
+def kv_bytes(bs: int, ctx: int, dim_qk: int = D_QK, elem_bytes: int = 2) -> int:
+    """KV bytes one call must read: bs * ctx * dim_qk * elem_bytes (2: bf16, 1: an e4m3 cache)."""
+    return bs * ctx * dim_qk * elem_bytes
+
+
+def uri_kv_bytes(uri: str, bs: int, ctx: int) -> int:
+    """:func:`kv_bytes` of a variant: its dim_qk and its KV cache's element size (fp8_e4m3: 1 byte).
+
+    Raises:
+        ValueError: ``uri`` is not an mlagen variant uri.
+    """
+    from mlagen.spec import Variant
+
+    v = Variant.from_uri(uri)
+    return kv_bytes(bs, ctx, v.dim_qk, 1 if v.dtype == "fp8_e4m3" else 2)
 
 
 def ncu_command(uri: str, ctx: int, bs: int, ncu: str = "ncu", defines: list[str] | None = None) -> list[str]:
@@ -179,8 +192,15 @@ def main(argv=None) -> int:
     if a.child:
         _child(a.uris[0], a.ctx, a.bs, a.define)
         return 0
-    kv, rc = kv_bytes(a.bs, a.ctx), 0
+    try:
+        kvs = {uri: uri_kv_bytes(uri, a.bs, a.ctx) for uri in a.uris}
+    except ValueError as e:
+        ap.error(str(e))
+    if shutil.which(a.ncu) is None:
+        ap.error(f"ncu not found ({a.ncu!r}; set --ncu or NCU, e.g. /usr/local/cuda/bin/ncu)")
+    rc = 0
     for uri in a.uris:
+        kv = kvs[uri]
         r = subprocess.run(ncu_command(uri, a.ctx, a.bs, a.ncu, a.define), capture_output=True, text=True)
         kernels = parse_ncu_csv(r.stdout)
         if r.returncode != 0 or not kernels:

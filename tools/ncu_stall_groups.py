@@ -46,7 +46,10 @@ def main() -> int:
     ap.add_argument("--group", type=int, metavar="EXECUTIONS",
                     help="also break down the instructions of this execution count by SASS opcode")
     a = ap.parse_args()
-    hdr, data = read_rows(a.csv)
+    try:
+        hdr, data = read_rows(a.csv)
+    except OSError as e:
+        ap.error(f"cannot read {a.csv}: {e.strerror}")
     col = {h: i for i, h in enumerate(hdr)}
     for need in ("Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"):
         if need not in col:

@@ -20,8 +20,16 @@ class _Stub(types.ModuleType):
         return type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None})
 
 
+def _drop_sglang_modules() -> None:
+    """Forget every sglang module imported so far: a target whose import failed part-way leaves half-initialized
+    modules that would make the next target fail on them instead of on its own cause."""
+    for m in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[m]
+
+
 missing = []
 for target in TARGETS:
+    _drop_sglang_modules()
     for _ in range(60):
         try:
             importlib.import_module(target)
@@ -33,8 +41,7 @@ for target in TARGETS:
             parts = name.split(".")
             for i in range(1, len(parts) + 1):
                 sys.modules.setdefault(".".join(parts[:i]), _Stub(".".join(parts[:i])))
-            for m in [m for m in sys.modules if m.startswith("sglang")]:
-                del sys.modules[m]
+            _drop_sglang_modules()
         except Exception as e:  # noqa: BLE001
             print("error", target, type(e).__name__, str(e)[:200])
             break
