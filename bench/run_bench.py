@@ -169,19 +169,19 @@ def _parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _int_list(text: str) -> str:
-    """argparse type of the comma-separated filters (--heads 8,16): the text, once every item is a positive int."""
+def _int_list(text: str) -> list[int]:
+    """argparse type of the comma-separated filters (--heads 8,16): the positive ints."""
     items = [x.strip() for x in text.split(",")]
     if not items or not all(x.isdigit() and int(x) > 0 for x in items):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return text
+    return [int(x) for x in items]
 
 
 def _select_grid(a: argparse.Namespace) -> list[tuple]:
     grid = SMALL if a.grid == "small" else FULL
     for opt, i in (("heads", 0), ("q_lens", 1), ("batches", 2), ("contexts", 3), ("page_sizes", 4)):
         if getattr(a, opt):
-            keep = {int(x) for x in getattr(a, opt).split(",")}
+            keep = set(getattr(a, opt))
             grid = [g for g in grid if g[i] in keep]
     return grid
 
@@ -492,6 +492,8 @@ def main(argv=None) -> int:
     wait_fi = fib.prebuild_in_background(fi_cols, fi_smem) if fi_cols else None  # JIT while mlagen builds
     ceil = ceilings.measure_ceilings()
     if ceil["copy_gbs"] is None or ceil["mma_tflops"] is None:  # the floor columns need both
+        if wait_fi is not None:
+            wait_fi()  # (its JIT threads' nvcc processes finish before this process exits)
         sys.exit(f"run_bench: a ceiling could not be measured on this GPU: {ceil['errors']}")
     print(f"ceilings: copy {ceil['copy_gbs']:.0f} GB/s, mma.sync bf16 {ceil['mma_tflops']:.0f} TFLOP/s {ceil['errors'] or ''}",
           flush=True)

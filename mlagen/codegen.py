@@ -99,7 +99,7 @@ def write_if_changed(path: Path, text: str) -> bool:
         pass
     owned.ensure_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # unique: concurrent writers
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:  # (compared as UTF-8 bytes above and by the build)
         f.write(text)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; keep the usual mode for shared caches
     os.replace(tmp, path)

@@ -596,7 +596,7 @@ class VerifyKernel:
         Raises:
             ValueError: a wrong dtype or device, a non-contiguous input / last dim, a page_size below 1, sizes
                 the buffers do not hold (bs rows of kv_lens / block_table / req_pool_indices /
-                tree_mask, npages columns, q_len tree columns, (npages - 1) * page_size < req_to_token's width;
+                tree_mask, npages columns, q_len tree columns; npages pages reaching past req_to_token's width;
                 extra, num_padding, npages, q_len ints in range), an unknown tree_mode, a mask mode without a custom
                 mask, or a QLEN_ONLY mask of fewer than (bs - num_padding) * q_len * q_len cells (the message of
                 ``pack_qlen_mask``). Nothing is launched.

@@ -6,7 +6,8 @@ names mlagen does not choose, e.g. nvcc's ``-keep`` files), and the line ``.`` w
 directory itself. :func:`clean` deletes the listed files, descends only into listed directories that
 carry a manifest of their own, then deletes the manifest, and the directory itself only when mlagen
 created it and nothing else is left in it. Files mlagen did not record (anything a user put there)
-are never touched. Two limits: a file already present when mlagen would first record it is someone
+are never touched; the one exception is a ``.mlagen-manifest.<pid>.tmp`` that a crash during :func:`forget`'s
+rewrite left, a name only mlagen writes. Two limits: a file already present when mlagen would first record it is someone
 else's and stays unrecorded (:func:`record`); and a glob line (nvcc's ``-keep`` files of one module in
 that module's own ``keep/`` directory) covers whatever matches it in that mlagen-made directory.
 
@@ -112,6 +113,11 @@ def _entries(d: Path) -> list[str]:
         return []
 
 
+def _names_entries(line: str) -> bool:
+    """Whether a manifest line names entries of its directory (not ``.``, the manifest itself, or a path)."""
+    return line not in (_CREATED, "..", MANIFEST) and "/" not in line
+
+
 def _line_matches(line: str, name: str) -> bool:
     """Whether manifest ``line`` covers the entry ``name`` of its directory."""
     if line == name:
@@ -203,6 +209,8 @@ def forget(path: str | os.PathLike) -> None:
         tmp = d / f"{MANIFEST}.{os.getpid()}.tmp"
         tmp.unlink(missing_ok=True)  # a name only mlagen uses (a crash of an earlier process with this pid)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with contextlib.suppress(OSError):  # keep the manifest's mode (e.g. group-writable in a shared cache)
+            os.fchmod(fd, stat.S_IMODE(os.stat(d / MANIFEST).st_mode))
         with os.fdopen(fd, "wb") as f:
             f.write("".join(l + "\n" for l in kept).encode(sys.getfilesystemencoding(), "surrogateescape"))
             f.flush()
@@ -231,9 +239,7 @@ def _plan(d: Path) -> tuple[list[Path], bool]:
         if _REWRITE_TMP.fullmatch(c.name) and c.is_file() and not c.is_symlink():
             out.append(c)
             gone.add(c.name)
-    for name in entries:
-        if name == _CREATED or "/" in name or name in ("..", MANIFEST):
-            continue
+    for name in filter(_names_entries, entries):
         for p in [c for c in children if _line_matches(name, c.name)]:
             if p.is_symlink() or p.is_file():
                 out.append(p)
@@ -267,14 +273,20 @@ def _remove_manifest(m: Path) -> bool:
     manifest (so a later clean still reaches what is left there). Returns whether it went."""
     d = m.parent
     with _dir_locked(d, exclusive=True):
-        for line in _parse(_read_lines(d)):
-            if line == _CREATED or "/" in line or line in ("..", MANIFEST):
-                continue
-            for c in d.iterdir() if any(ch in line for ch in "*?[") else [d / line]:
+        children = list(d.iterdir())
+        for line in filter(_names_entries, _parse(_read_lines(d))):
+            for c in children:
                 if _line_matches(line, c.name) and (c.is_symlink() or c.is_file() or (c / MANIFEST).is_file()):
                     return False
         m.unlink()
         return True
+
+
+def _remove_rewrite_tmp(p: Path) -> None:
+    """Delete a :func:`forget` temporary file under its directory's exclusive lock: forget holds that lock for as long
+    as its own temporary file exists, so one seen under the lock is a crash's leftover."""
+    with _dir_locked(p.parent, exclusive=True):
+        p.unlink()
 
 
 def remove(planned: list[Path]) -> list[Path]:
@@ -286,6 +298,8 @@ def remove(planned: list[Path]) -> list[Path]:
             if p.name == MANIFEST and not p.is_symlink():
                 if not _remove_manifest(p):
                     continue
+            elif _REWRITE_TMP.fullmatch(p.name):
+                _remove_rewrite_tmp(p)
             elif p.is_dir() and not p.is_symlink():
                 p.rmdir()  # empty by construction; a file added meanwhile keeps it (OSError below)
             else:

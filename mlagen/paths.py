@@ -53,7 +53,8 @@ def so_dir() -> Path:
 
 
 def lock_dir() -> Path:
-    """Per-module build lock files (``<cache>/locks/<build_key>.lock``)."""
+    """Lock files: one per module build (``<cache>/locks/<build_key>.lock``) and ``installed.json.lock``, which
+    ``mlagen install`` / ``uninstall`` hold around their read and write of installed.json."""
     return cache_dir() / "locks"
 
 

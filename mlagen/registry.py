@@ -124,7 +124,7 @@ class Registry:
         globs, as ``mlagen.spec.uri_matches``), by uri.
 
         Raises:
-            ValueError: the pattern names no glob (only commas / spaces; :func:`mlagen.spec.uri_globs`).
+            ValueError: the pattern names no glob (only commas / spaces) or a comma splits a [...] set (:func:`mlagen.spec.uri_globs`).
         """
         from mlagen.spec import uri_matches
 

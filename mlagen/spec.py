@@ -541,7 +541,7 @@ def uri_matches(uri: str, pattern: str | None) -> bool:
     """True when ``uri`` matches any glob of ``pattern`` (see :func:`uri_globs`; case-sensitive); always for None.
 
     Raises:
-        ValueError: the pattern names no glob (only commas / spaces).
+        ValueError: the pattern names no glob (only commas / spaces), or a comma splits a [...] set (:func:`uri_globs`).
     """
     import fnmatch
 
@@ -554,7 +554,7 @@ def filter_by_glob(variants: Iterable[Variant], pattern: str | None) -> list[Var
     comma-separated ones, any of which may match, e.g. ``'*_bn32_w8_rt[12]_st2_t*,*_bn16_w16_rt2_st2_t*'``.
 
     Raises:
-        ValueError: the pattern names no glob (only commas / spaces).
+        ValueError: the pattern names no glob (only commas / spaces), or a comma splits a [...] set (:func:`uri_globs`).
     """
     uri_globs(pattern)  # validate once, even for an empty variant list
     return [v for v in variants if uri_matches(v.uri, pattern)]

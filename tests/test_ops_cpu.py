@@ -692,8 +692,8 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 ])
 def test_fill_metadata_refuses_sizes_its_buffers_do_not_hold_and_host_tensors(monkeypatch, kw, message):
     """The fill writes kv_lens [:bs], block_table [:bs, :npages], tree_mask [:bs, :q_len] and reads req_to_token up to
-    column (npages - 1) * page_size, all from device pointers: a size past a buffer, a page_size other than the
-    variant's (the table would name other pages) or a host tensor is refused before the launch."""
+    column (npages - 1) * page_size, all from device pointers: a size past a buffer, a page_size below 1 or a host
+    tensor is refused before the launch."""
     _on_gpu_but_host(monkeypatch)
     k = _kernel()
     k.module = _FillModule()

@@ -6,19 +6,19 @@
 OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlc} PYTHONUNBUFFERED=1 COLUMNS=250
-STEP_T0="$OUT/.session-start.$$"; touch "$STEP_T0"  # what this run writes under $OUT is newer than this
-_STEPS="$OUT/.steps.$$"; : > "$_STEPS"  # the running steps' timeout processes (each leads its own process group)
-_stop() {  # stop the background parts (they would start their next step), then every step's process group
+STEP_T0="$OUT/.session-start.$$"; touch "$STEP_T0"; sleep 0.05  # what this run writes under $OUT is newer
+_STEPS="$OUT/.steps.$$"; mkdir -p "$_STEPS"  # one file per running step: its timeout's pid (a process group leader)
+_stop() {  # stop the background parts (they would start their next step), then every running step's process group
   trap '' INT TERM HUP
-  local j; j=$(jobs -p)
+  local j p; j=$(jobs -p)
   [ -n "$j" ] && kill -TERM $j 2>/dev/null
-  while read -r p; do kill -TERM -- "-$p" 2>/dev/null; done < "$_STEPS"
-  rm -f "$_STEPS" "$STEP_T0"
+  for p in "$_STEPS"/*; do [ -e "$p" ] && kill -TERM -- "-${p##*/}" 2>/dev/null; done
+  rm -rf "$_STEPS" "$STEP_T0"
   echo "stopped by a signal: the running steps were killed" >&2
   exit 130
 }
 trap _stop INT TERM HUP
-trap 'rm -f "$_STEPS" "$STEP_T0"' EXIT
+trap 'rm -rf "$_STEPS" "$STEP_T0"' EXIT
 : > "$OUT/whl.log"
 for d in .whl .whl_fi; do  # SGLang's wheels, FlashInfer's (bench/fetch_wheels.sh); whichever the call carried
   ls "$d"/*.whl > /dev/null 2>&1 || continue
@@ -35,11 +35,14 @@ step() {
   [ -e "$_STEPS" ] || return 130  # the script is stopping
   timeout -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
   local pid=$!
-  echo "$pid" >> "$_STEPS"
+  : > "$_STEPS/$pid"
   wait "$pid"
   local rc=$? summary
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  rm -f "$_STEPS/$pid"
+  if [ "$rc" = 124 ]; then
     summary="TIMED OUT at ${limit}s"
+  elif [ "$rc" = 137 ]; then
+    summary="KILLED (SIGKILL: ${limit}s + 20 s past its limit, or out of memory)"
   else
     summary=$(grep -E 'passed|failed|skipped|error|ERROR SUMMARY|built [0-9]+ variants?|wrote' "$OUT/$name.log" | tail -1)
   fi

@@ -112,7 +112,7 @@ elif [ "$MODE" = release2 ]; then
   cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"
   grep -hE "^\|" "$OUT/bench_native.log" "$OUT/bench_sm120.log"
   # pack what this run wrote under $OUT (nothing older) into $OUT/logs.tgz, then remove those files
-  (cd "$OUT" && find . -type f -newer "$STEP_T0" ! -name logs.tgz ! -name '.session-start.*' ! -name '.steps.*' \
+  (cd "$OUT" && find . -type f -newer "$STEP_T0" ! -name logs.tgz ! -name '.session-start.*' ! -path './.steps.*' \
      ! -name .logs.list ! -name .logs.tgz.part \
      -print0 > .logs.list && tar czf .logs.tgz.part --null -T .logs.list && xargs -0 rm -f < .logs.list \
      && rm -f .logs.list && mv -f .logs.tgz.part logs.tgz && find . -mindepth 1 -type d -empty -newer "$STEP_T0" -delete)
