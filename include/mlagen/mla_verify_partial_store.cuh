@@ -17,15 +17,15 @@
 
 #include "mlagen/ptx.cuh"
 
-// MLAGEN_DST_PARTIAL_BF16 1 (every shipped build): dimsplit_t writes bf16 partials in dim order, each output-warp lane
-// storing its fragments' values as 2-byte scalars from registers; 2: bf16 in the paired layout below, two values per
-// 4-byte store (measured 0.972-0.999x of 1 with bit-identical outputs, docs/perf-notes.md v29; the default once its
-// whole GPU test set has passed); 0: fp32 (v21; the fused merge's builds, which read fp32). Other schedules write
-// fp32. On an H200 bf16 in dim order measured 0.966-1.000x of fp32 (v22); staging the rows through the idle ring for
+// MLAGEN_DST_PARTIAL_BF16 2 (every shipped build): dimsplit_t writes bf16 partials in the paired layout below, two
+// values per 4-byte store (measured 0.972-0.999x the time of dim order with bit-identical outputs, docs/perf-notes.md
+// v29); 1: bf16 in dim order, each output-warp lane storing its fragments' values as 2-byte scalars from registers
+// (v22-v29's shipped layout); 0: fp32 (v21; the fused merge's builds, which read fp32). Other schedules write fp32.
+// On an H200 bf16 in dim order measured 0.966-1.000x of fp32 (v22); staging the rows through the idle ring for
 // 16-byte stores (fp32 or bf16) and pairing adjacent dims by a shuffle for 4-byte stores measured slower than either
 // (code at commit 8c5a9db).
 #ifndef MLAGEN_DST_PARTIAL_BF16
-#define MLAGEN_DST_PARTIAL_BF16 1
+#define MLAGEN_DST_PARTIAL_BF16 2
 #endif
 static_assert(MLAGEN_DST_PARTIAL_BF16 >= 0 && MLAGEN_DST_PARTIAL_BF16 <= 2, "MLAGEN_DST_PARTIAL_BF16 must be 0, 1 or 2");
 
