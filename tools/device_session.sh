@@ -27,7 +27,7 @@
 #         failure or hang stops the call), its A/B against the NAME BASE build (give BASE = the define's shipped
 #         value; outputs bit for bit first), its cycle trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min;
 #         with KTESTS=.. only those GPU tests (pytest -k on tests/test_kernel_gpu.py), in a call of their own. E.g.
-#         the paired partial layout: KTESTS=paired first, then DEF=MLAGEN_DST_PARTIAL_BF16 VAL=2 BASE=1.
+#         the dim-order partial layout against the shipped paired one: DEF=MLAGEN_DST_PARTIAL_BF16 VAL=1 BASE=2.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
