@@ -437,6 +437,14 @@ def test_fill_metadata_rejects_bad_input(monkeypatch, mutate, message):
     assert k.module.calls == 0
 
 
+def _draft_row_case(k):
+    """A bs 3, q_len 9 batch for ``k`` with its workspace, out, k_new [27, 1, 576] and kv_write_loc [27]."""
+    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
+    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
+    k_new = torch.randn(27, 1, 576).to(torch.bfloat16)
+    return _inputs(bs=3), ws, out, k_new, torch.randint(0, 100, (27,), dtype=torch.int64)
+
+
 class _AbiModule(_ArgsModule):
     run_abi = 2  # run() takes k_new, its row stride, kv_write_loc, num_slots after lse
 
@@ -448,11 +456,7 @@ def test_new_kv_arguments_reach_run_in_order(monkeypatch):
     _on_gpu(monkeypatch)
     k = _kernel()
     k.module = _AbiModule()
-    d = _inputs(bs=3)
-    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
-    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
-    k_new = torch.randn(27, 1, 576).to(torch.bfloat16)
-    loc = torch.randint(0, 100, (27,), dtype=torch.int64)
+    d, ws, out, k_new, loc = _draft_row_case(k)
     _call(k, d, out=out, workspace=ws, k_new=k_new, kv_write_loc=loc)
     args = k.module.args
     i = args.index(k_new.data_ptr())
@@ -715,11 +719,7 @@ def test_draft_row_store_alignment_devices_and_output_overlaps_are_refused(monke
     _on_gpu_but_host(monkeypatch)
     k = _kernel(load_width=32)
     k.module = _AbiModule()
-    d = _inputs(bs=3)
-    ws = torch.empty(k.workspace_numel(3), dtype=torch.float32)
-    out = torch.empty(27, 8, 512, dtype=torch.bfloat16)
-    k_new = torch.randn(27, 1, 576).to(torch.bfloat16)
-    loc = torch.randint(0, 100, (27,), dtype=torch.int64)
+    d, ws, out, k_new, loc = _draft_row_case(k)
     odd = torch.randn(100 * 580 + 2).to(torch.bfloat16)[2:].view(100, 580)[:, :576]  # 4-byte aligned rows
     assert k.check_kv_cache(odd) is not None  # fine to read at load_width 32
     _call(k, dict(d, kv_cache=odd), out=out, workspace=ws)  # and to launch without the store
