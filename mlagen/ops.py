@@ -877,6 +877,7 @@ class MetadataFill:
         if not (seq_lens.is_contiguous() and req_pool_indices.is_contiguous()):
             raise ValueError("seq_lens and req_pool_indices must be contiguous")
         _check_devices(self._keep[0].device, [seq_lens, req_pool_indices, custom_mask])
+        self._check_sizes(seq_lens.shape[0], req_pool_indices.shape[0], extra, num_padding, npages, q_len)
         if self._has_tree:
             mode = _TREE_MODES.get(tree_mode)
             if mode is None:
@@ -890,18 +891,17 @@ class MetadataFill:
 
     def launch(self, seq_lens, req_pool_indices, *, extra: int, num_padding: int, npages: int, q_len: int = 0,
                tree_mode: str | None = None, custom_mask=None) -> None:
-        """:meth:`__call__` without its layout checks, for a caller that made them (the SGLang backend picks this
-        path or its torch helpers by the same tests): seq_lens / req_pool_indices int32 or int64, contiguous, on
-        the buffers' device; with a tree_mask, tree_mode one of ``causal`` / ``qlen_only`` / ``full_mask`` and,
+        """:meth:`__call__` without its layout and size checks, for a caller that made them (the SGLang backend, once
+        per step: it picks this path or its torch helpers by the same tests and sizes its own buffers for the batch):
+        seq_lens / req_pool_indices int32 or int64, contiguous, on the buffers' device; sizes the bound buffers hold
+        (:meth:`_check_sizes`); with a tree_mask, tree_mode one of ``causal`` / ``qlen_only`` / ``full_mask`` and,
         unless causal, a contiguous bool/uint8 custom_mask.
 
         Raises:
-            ValueError: sizes the bound buffers do not hold (as :meth:`VerifyKernel.fill_metadata`), or a
-                QLEN_ONLY custom_mask with fewer cells than (bs - num_padding) * q_len^2.
-            RuntimeError: the launch failed.
+            ValueError: a QLEN_ONLY custom_mask with fewer cells than (bs - num_padding) * q_len^2.
+            RuntimeError: sizes out of range for the kernel, or the launch failed.
         """
         bs = seq_lens.shape[0]
-        self._check_sizes(bs, req_pool_indices.shape[0], extra, num_padding, npages, q_len)
         mode, mask_ptr, mask_numel = _TREE_NONE, 0, 0
         if self._has_tree:
             mode = _TREE_MODES[tree_mode]

@@ -122,7 +122,7 @@ def _line_matches(line: str, name: str) -> bool:
     """Whether manifest ``line`` covers the entry ``name`` of its directory."""
     if line == name:
         return True
-    if line in (_CREATED, MANIFEST) or "/" in line or not any(c in line for c in "*?["):
+    if not _names_entries(line) or not any(c in line for c in "*?["):
         return False
     legacy = _LEGACY_TMP_GLOB.fullmatch(line)
     if legacy:

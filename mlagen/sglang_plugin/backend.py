@@ -797,9 +797,9 @@ def load_entry(entry: dict):
         raise MlagenSetupError(f"mlagen: cannot load installed entry {entry['uri']} from {entry['so_path']} "
                                f"({type(e).__name__}: {e}); {again}.") from e
     v = k.variant
-    fields = [(f, getattr(v, f)) for f in ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim", "mask")]
-    for field, have in fields + [("kv_dtype", v.dtype)]:
-        want = entry.get(field, "bf16") if field == "kv_dtype" else entry[field]
+    checks = [(f, getattr(v, f), entry[f]) for f in ("heads", "q_len", "page_size", "kv_lora_rank", "qk_rope_head_dim",
+                                                    "mask")]
+    for field, have, want in checks + [("kv_dtype", v.dtype, entry.get("kv_dtype", "bf16"))]:
         if have != want:
             raise MlagenSetupError(
                 f"mlagen: installed entry {entry['uri']} says {field}={want!r} but its kernel has "
