@@ -142,6 +142,15 @@
 #define MLAGEN_DST_QLOAD 0
 #endif
 
+// MLAGEN_DST_EPILOGUE 1 (every shipped build): the score warps turn each row sum into its reciprocal (rcp.approx) and
+// the LSE (lg2.approx) and hand the reciprocals over in pairs; the output warps load all their rows' factors first,
+// then store. 0: v30's, the output warps divide per row (IEEE division, a slow-path call) between the stores of
+// consecutive rows, and the LSE uses log2f, for A/B timing (perf-notes v31: the code runs once per call, cold, and
+// each row's branches kept the rows' latency chains apart).
+#ifndef MLAGEN_DST_EPILOGUE
+#define MLAGEN_DST_EPILOGUE 1
+#endif
+
 namespace mlagen {
 
 // Transpose of a 4 x 4 matrix of 32-bit words held by the 4 lanes of a quad (lane t4 = lane % 4 holds row t4 in x):
@@ -854,6 +863,34 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     }
     trace_mark(true);
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
+#if MLAGEN_DST_EPILOGUE == 1
+    // lsum_smem gets 1 / l (0 for a row without a visible key), a float2 per n8 tile (rows 2 t4, 2 t4 + 1)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+      float l[2], inv_l[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        l[e] = l_run[nt][e];
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 4);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 8);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
+        inv_l[e] = l[e] > 0.f ? ptx::rcp_approx_ftz(l[e]) : 0.f;
+      }
+      const int rl0 = rloc0 + nt * 8 + 2 * t4;
+      if (g == 0) {
+        *reinterpret_cast<float2*>(lsum_smem + rl0) = make_float2(inv_l[0], inv_l[1]);
+        if (rank == 0) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {  // natural-log LSE of the row (row_lse's formula)
+            if (rl0 + e < live_rows) {
+              lse_part[rl0 + e] =
+                  l[e] > 0.f ? (m_run[nt][e] + ptx::lg2_approx_ftz(l[e])) * 0.6931471805599453f : -INFINITY;
+            }
+          }
+        }
+      }
+    }
+#else
 #pragma unroll
     for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
@@ -870,6 +907,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           }
         }
       }
+#endif
     ptx::named_barrier_arrive(kStatBar, kStatThreads);
   } else {
     // ---- output warp ow: dims [64 ow, 64 ow + 64) of this CTA's 256 latent dims, every row of the block
@@ -994,14 +1032,25 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     using PartialT = typename Cfg::PartialT;
     PartialT* o_base =
         reinterpret_cast<PartialT*>(p.o_part) + ws_row_base * Cfg::kDimV + rank * Cfg::kDimVCta + dim0;
+#if MLAGEN_DST_EPILOGUE == 1
+    float2 inv_l2[Cfg::kRowNTiles];  // every row's 1 / l (the score warps'), loaded before the first store
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
+      inv_l2[nt] = *reinterpret_cast<const float2*>(lsum_smem + nt * 8 + 2 * t4);
+    }
+#endif
 #pragma unroll
     for (int nt = 0; nt < Cfg::kRowNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int rl = nt * 8 + 2 * t4 + e;
         if (rl < live_rows) {
+#if MLAGEN_DST_EPILOGUE == 1
+          const float inv_l = e == 0 ? inv_l2[nt].x : inv_l2[nt].y;
+#else
           const float l = lsum_smem[rl];
           const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#endif
           PartialT* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
 #pragma unroll
           for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {

@@ -219,6 +219,22 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
   return y;
 }
 
+// 1 / x by one MUFU.RCP (PTX ISA "rcp": .approx.ftz, max error 1 ulp over the full range; subnormal inputs and
+// results flush to zero). 1.f / x is the IEEE division: a refinement and a slow-path call around the same instruction.
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// log2(x) by one MUFU.LG2 (PTX ISA "lg2": .approx.ftz, max absolute error 2^-22 in the result's mantissa range;
+// subnormal inputs flush to zero, lg2(+0) = -inf). log2f() adds a range reduction and special-case code.
+__device__ __forceinline__ float lg2_approx_ftz(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
