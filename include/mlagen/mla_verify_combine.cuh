@@ -19,6 +19,13 @@
 #include "mlagen/mla_verify_split.cuh"
 #include "mlagen/ptx.cuh"
 
+// MLAGEN_COMBINE_UNROLL 8 (every shipped build): partial loads in flight per thread in one pass of the split loop, so a
+// pass reads 8 x kGroups splits (64 with 8 dim chunks per row); 16: 128, for A/B timing where nsplit auto takes more
+// than 64 splits (66 at bs 1 on an H200: two dependent passes at 8). The sums run in the same order either way.
+#ifndef MLAGEN_COMBINE_UNROLL
+#define MLAGEN_COMBINE_UNROLL 8
+#endif
+
 namespace mlagen {
 
 inline constexpr int kMaxSplits = 256;
@@ -72,7 +79,8 @@ template <int kDimV, int kChunks>
 struct CombineShape {
   static constexpr int kLanes = kDimV / 4 / kChunks;
   static constexpr int kGroups = kCombineThreads / kLanes;
-  static constexpr int kUnroll = 8;  // independent loads in flight per thread (16 bytes of fp32 partials, 8 of bf16)
+  // independent loads in flight per thread (16 bytes of fp32 partials, 8 of bf16)
+  static constexpr int kUnroll = MLAGEN_COMBINE_UNROLL;
   static_assert(kDimV % (4 * kChunks) == 0, "the dim chunks must cover kv_lora_rank in float4 columns");
   static_assert(kLanes >= 1 && kCombineThreads % kLanes == 0, "a chunk's columns must divide the CTA's threads");
   static_assert(kGroups * kUnroll <= kMaxSplits, "one pass of the split loop reads at most kMaxSplits partials");
