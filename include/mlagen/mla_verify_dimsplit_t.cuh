@@ -22,8 +22,9 @@
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
-//   epilogue       the output warps store the normalized O^T from registers to o_part, in bf16, a fragment's dims
-//                  g and g + 8 side by side, one 4-byte store per pair (mla_verify_partial_store.cuh;
+//   epilogue       the score warps write each row's 1 / l (and, rank 0, its LSE to lse_part); the output warps
+//                  load every row's factor, then store the normalized O^T from registers to o_part, in bf16, a
+//                  fragment's dims g and g + 8 side by side, one 4-byte store per pair (mla_verify_partial_store.cuh;
 //                  MLAGEN_DST_PARTIAL_BF16 1: dim order, 0: fp32).
 // Why (docs/perf-notes.md, dimsplit_t): mma.sync takes both operands from registers, so a warp re-reads from
 // shared memory every operand it does not hold. In dimsplit each of 5 m16 warps reads all of K and V
