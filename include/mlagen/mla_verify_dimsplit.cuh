@@ -278,11 +278,28 @@ __device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& 
 // page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
 // one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
 // Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
+// The page-table entry of producer lane `lane`'s token of `tile` (producer warp tokens from tok_p): 0 when that row does
+// not come from the table (lanes past the warp's tokens, positions past kv_len, draft rows read from k_new). The same
+// entry as dimsplit_produce_bf16's page_of (kept apart so that the shipped producers compile as before), for a caller
+// that requests the first tiles' entries early (MLAGEN_DST_EARLY_PAGES).
+template <class Cfg>
+__device__ __forceinline__ int32_t producer_page_entry(const MlaVerifyParams& p, const int32_t* page_row, int kv_len,
+                                                       int prefix_len, int tok_p, int lane, int tile) {
+  const int pos = tile * Cfg::kBlockN + tok_p + lane;
+  const bool from_table = lane < Cfg::kTokensPerProducer && pos < kv_len && !(p.k_new != nullptr && pos >= prefix_len);
+  if constexpr (kAblate & kAblateTable) {  // diagnostic: no table load, the entry that makes pos its own slot
+    return from_table ? (batch_is_direct(p) ? pos : pos / Cfg::kPageSize) : 0;
+  }
+  return from_table ? table_entry<Cfg::kPageSize>(p, page_row, pos) : 0;
+}
+
+// early (optional): the entries of the split's first two tiles, already requested by the caller
+// (producer_page_entry of tiles tile_begin and tile_begin + 1, 0 past num_tiles); nullptr: the producer requests them.
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
                                                       int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
-                                                      uint64_t* empty_bar) {
+                                                      uint64_t* empty_bar, const int32_t* early = nullptr) {
   static_assert(!Cfg::kZeroFillTail || !Cfg::kBulkLoad, "the zero-filled tail is a cp.async-producer feature");
   // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
   const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
@@ -304,8 +321,8 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
                                          : new_row_slot(static_cast<int64_t>(b) * p.q_len + (pos - prefix_len));
     return reinterpret_cast<int64_t>(kv_row_src(p, slot));
   };
-  int32_t page_next = page_of(tile_begin);
-  int32_t page_next2 = num_tiles > 1 ? page_of(tile_begin + 1) : 0;
+  int32_t page_next = early != nullptr ? early[0] : page_of(tile_begin);
+  int32_t page_next2 = early != nullptr ? early[1] : num_tiles > 1 ? page_of(tile_begin + 1) : 0;
   // L2 prefetch kPf tiles ahead (Cfg::kL2PrefetchTiles; 0: none): before the ring wait of tile i, each lane
   // asks L2 for the 128-byte lines of its token's two halves in tile i + kPf (4 latent lines + the rope line),
   // so the copies issued once a stage frees read L2 rather than DRAM. The page entry is requested a tile early.

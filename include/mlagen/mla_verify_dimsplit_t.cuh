@@ -152,6 +152,13 @@
 #define MLAGEN_DST_EPILOGUE 1
 #endif
 
+// MLAGEN_DST_EARLY_PAGES 0 (every shipped build): the bf16 producer requests its first two tiles' page-table entries
+// after the barrier setup and the cluster barrier; 1: before them (kv_len -> page entry -> first copies is the chain the
+// first MMA waits on; the entries' latency then overlaps the barrier set-up), for A/B timing (perf-notes v31d).
+#ifndef MLAGEN_DST_EARLY_PAGES
+#define MLAGEN_DST_EARLY_PAGES 0
+#endif
+
 namespace mlagen {
 
 // Transpose of a 4 x 4 matrix of 32-bit words held by the 4 lanes of a quad (lane t4 = lane % 4 holds row t4 in x):
@@ -473,6 +480,15 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   // Whether some step of this split holds draft keys or keys past kv_len (then masked, and its CTA reads the tree rows).
   const bool masked_split = w.tile_end * Cfg::kBlockN > prefix_len;
 
+#if MLAGEN_DST_EARLY_PAGES == 1
+  int32_t early_pages[2] = {0, 0};  // the bf16 producer's first two tiles' entries (dimsplit_produce_bf16's early)
+  if constexpr (!Cfg::kKvFp8 && !Cfg::kBulkLoad) {
+    if (warp == Cfg::kProducerWarp) {
+      early_pages[0] = producer_page_entry<Cfg>(p, page_row, kv_len, prefix_len, 0, lane, tile_begin);
+      if (num_tiles > 1) early_pages[1] = producer_page_entry<Cfg>(p, page_row, kv_len, prefix_len, 0, lane, tile_begin + 1);
+    }
+  }
+#endif
   if (tid == 0) {
     for (int st = 0; st < Cfg::kConsStages; ++st) {
       // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
@@ -548,8 +564,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem,
                                 full8_bar, empty8_bar);
     } else {
+#if MLAGEN_DST_EARLY_PAGES == 1
+      const int32_t* early = Cfg::kBulkLoad ? nullptr : early_pages;
+#else
+      const int32_t* early = nullptr;
+#endif
       dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
-                                 full_bar, empty_bar);
+                                 full_bar, empty_bar, early);
     }
   } else if (warp < Cfg::kScoreWarps) {
     // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
