@@ -462,54 +462,6 @@ def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     _check(paired, quick=i > 0)
 
 
-# dimsplit_t tiles whose score warps load Q's fragments with 4-byte loads (MLAGEN_DST_QLOAD 0) and with 16-byte loads
-# and a quad transpose (1): the shipped H8 q9 tile, H1 q5 causal (one score warp, 5 of 24 rows live), q_len 1
-QLOAD_URIS = [PAIRED_URIS[0], PAIRED_URIS[3], PAIRED_URIS[5]]
-
-
-@pytest.fixture(scope="module")
-def qload_kernels(tmp_path_factory):
-    """Per QLOAD_URIS entry, (MLAGEN_DST_QLOAD 0 build, 1 build) for this GPU's arch (outside the registry)."""
-    jobs = [(uri, (("MLAGEN_DST_QLOAD", mode),)) for uri in QLOAD_URIS for mode in (0, 1)]
-    built = _build_with_defines(jobs, tmp_path_factory.mktemp("qload"))
-    return [(built[2 * i], built[2 * i + 1]) for i in range(len(QLOAD_URIS))]
-
-
-@pytest.mark.parametrize("i", range(len(QLOAD_URIS)))
-def test_dimsplit_t_q_loads_agree(qload_kernels, i):
-    """Both ways of loading Q's fragments (MLAGEN_DST_QLOAD, include/mlagen/mla_verify_dimsplit_t.cuh) put the same
-    values in the same registers: on fresh random inputs (a padded request of kv_len 0; outputs NaN before each
-    launch) both builds give bit-identical out and lse for a contiguous q (16-byte aligned: the 16-byte path of
-    build 1) and for the same values in a strided view 4 bytes past a 16-byte boundary with a head stride of 578
-    elements (build 1 falls back to the 4-byte loads), finite where a key is visible; the 16-byte build passes the
-    verify cases (the quick set) against the reference."""
-    from mlagen.cases import make_problem
-
-    words, vectors = qload_kernels[i]
-    v = vectors.variant
-    lens = [9, 40, 4099, 0, 65536] if v.nsplit == "auto" else [9, 40, 4099, 0]
-    p = make_problem(v, lens, device="cuda")
-    assert p.q.is_contiguous() and p.q.data_ptr() % 16 == 0
-    rows, heads, dim = p.q.shape
-    backing = torch.randn(rows * heads * (dim + 2) + 2, device="cuda").to(torch.bfloat16)
-    q_odd = backing[2:].as_strided((rows, heads, dim), (heads * (dim + 2), dim + 2, 1))
-    q_odd.copy_(p.q)
-    assert q_odd.data_ptr() % 16 == 4 and torch.equal(q_odd, p.q)
-    outs = []
-    for k in (words, vectors):
-        for q in (p.q, q_odd):
-            out = torch.full((rows, v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
-            lse = torch.full((rows, v.heads), float("nan"), device="cuda")
-            k(q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
-            outs.append((out, lse))
-    torch.cuda.synchronize()
-    live = torch.repeat_interleave(torch.tensor([L > 0 for L in lens], device="cuda"), v.q_len)
-    assert torch.isfinite(outs[0][0][live].float()).all() and torch.isfinite(outs[0][1][live]).all()
-    for out, lse in outs[1:]:
-        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
-    _check(vectors, quick=True)
-
-
 def test_bad_tensor_raises_before_launch(kernels):
     from mlagen.cases import make_problem
 

@@ -135,14 +135,6 @@
 #define MLAGEN_DST_BULK 0
 #endif
 
-// MLAGEN_DST_QLOAD 0 (every shipped build): a score warp loads its Q fragments with one 4-byte load per register (108
-// per thread, each warp-level load touching 8 rows); 1: with one 16-byte load per 4 of a row's 16-byte chunks and a
-// transpose within each quad of lanes (shuffles), when q's base and strides are 16-byte aligned (else as 0), for A/B
-// timing of the prologue: a quarter of the warp-level loads beside the producer's first copies (perf-notes v31).
-#ifndef MLAGEN_DST_QLOAD
-#define MLAGEN_DST_QLOAD 0
-#endif
-
 // MLAGEN_DST_EPILOGUE 1 (every shipped build): the score warps turn each row sum into its reciprocal (rcp.approx) and
 // the LSE (lg2.approx) and hand the reciprocals over in pairs; the output warps load all their rows' factors first,
 // then store. 0: v30's, the output warps divide per row (IEEE division, a slow-path call) between the stores of
@@ -160,32 +152,6 @@
 #endif
 
 namespace mlagen {
-
-// Transpose of a 4 x 4 matrix of 32-bit words held by the 4 lanes of a quad (lane t4 = lane % 4 holds row t4 in x):
-// on return lane t4 holds column t4 (x[c] = the word t4 of lane c's x on entry). Two butterfly stages (lanes xor 1
-// swap the off-diagonal words of each 2 x 2 block, lanes xor 2 the off-diagonal 2 x 2 blocks): 4 shuffles. Every lane
-// of the warp must call it.
-__device__ __forceinline__ void quad_transpose4(uint32_t (&x)[4], int t4) {
-  const bool odd = (t4 & 1) != 0, high = (t4 & 2) != 0;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {  // blocks (0, 1), (2, 3)
-    const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? x[2 * k] : x[2 * k + 1], 1);
-    if (odd) {
-      x[2 * k] = recv;
-    } else {
-      x[2 * k + 1] = recv;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {  // pairs (0, 2), (1, 3)
-    const uint32_t recv = __shfl_xor_sync(0xffffffffu, high ? x[k] : x[k + 2], 2);
-    if (high) {
-      x[k] = recv;
-    } else {
-      x[k + 2] = recv;
-    }
-  }
-}
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
 // into a bf16 stage, as dimsplit_convert_fp8_tile does (fp8_chunk_to_stage: draft rows from k_new in bf16, rows past
@@ -579,52 +545,18 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // Q as B fragments (k16 x n8, "col"): b0 = Q[row g][dims 2 t4, +1], b1 = Q[row g][dims 2 t4 + 8, +9]. (Loaded
     // before the barrier setup instead, they measured 1-7 % slower at 4k-16k: perf-notes v15.)
     uint32_t q_frag[Cfg::kKSteps][Cfg::kNTilesS][2];
-    auto load_q_words = [&] {  // one 4-byte load per fragment register
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const int r = row0 + rloc0 + nt * 8 + g;
-        const bool row_ok = r < rows;
-        const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
+    for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+      const int r = row0 + rloc0 + nt * 8 + g;
+      const bool row_ok = r < rows;
+      const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
 #pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-          const int dim = cta_dim_of_kstep<Cfg>(rank, ks);
-          q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
-          q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
-        }
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+        const int dim = cta_dim_of_kstep<Cfg>(rank, ks);
+        q_frag[ks][nt][0] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 2 * t4) : 0u;
+        q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
       }
-    };
-#if MLAGEN_DST_QLOAD == 1
-    // Two K steps (4 chunks of 8 dims) of a row per 16-byte load: lane t4 loads chunk 4 m + t4 of the pair of K
-    // steps m; after quad_transpose4 it holds word t4 (dims 2 t4, +1) of each of the 4 chunks, its b0 / b1 of both.
-    static_assert(Cfg::kLatentSteps % 2 == 0 && (Cfg::kKSteps - Cfg::kLatentSteps) % 2 == 0,
-                  "MLAGEN_DST_QLOAD 1: the latent and rope K steps come in pairs");
-    const bool q_aligned = (reinterpret_cast<uintptr_t>(p.q) % 16 == 0) && p.q_stride_tok % 8 == 0 &&
-                           p.q_stride_head % 8 == 0;  // the same in every thread
-    if (q_aligned) {
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-        const int r = row0 + rloc0 + nt * 8 + g;
-        const bool row_ok = r < rows;
-        const __nv_bfloat16* q_row = q_row_of<Cfg>(p, b, q_len, r);
-#pragma unroll
-        for (int m = 0; m < Cfg::kKSteps / 2; ++m) {
-          const int dim = cta_dim_of_kstep<Cfg>(rank, 2 * m) + 8 * t4;  // chunk t4 of K steps 2 m, 2 m + 1
-          uint4 v = make_uint4(0u, 0u, 0u, 0u);
-          if (row_ok) v = *reinterpret_cast<const uint4*>(q_row + dim);
-          uint32_t x[4] = {v.x, v.y, v.z, v.w};
-          quad_transpose4(x, t4);
-          q_frag[2 * m][nt][0] = x[0];
-          q_frag[2 * m][nt][1] = x[1];
-          q_frag[2 * m + 1][nt][0] = x[2];
-          q_frag[2 * m + 1][nt][1] = x[3];
-        }
-      }
-    } else {
-      load_q_words();
     }
-#else
-    load_q_words();
-#endif
     // Per row (n8 tile nt, column parity e = row 2 t4 + e): running max (log2 units), this thread's share of
     // the running sum (its tokens g and g + 8 of every sub-tile).
     float m_run[Cfg::kNTilesS][2], l_run[Cfg::kNTilesS][2];
