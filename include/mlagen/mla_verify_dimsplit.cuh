@@ -270,14 +270,6 @@ __device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& 
   return p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
 }
 
-// The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
-// half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
-// +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
-// tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is requested
-// two tiles ahead and turned into a row address only when its tile is issued. (nvcc turns the page_next2 ->
-// page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
-// one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
-// Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
 // The page-table entry of producer lane `lane`'s token of `tile` (producer warp tokens from tok_p): 0 when that row does
 // not come from the table (lanes past the warp's tokens, positions past kv_len, draft rows read from k_new). The same
 // entry as dimsplit_produce_bf16's page_of (kept apart so that the shipped producers compile as before), for a caller
@@ -293,6 +285,14 @@ __device__ __forceinline__ int32_t producer_page_entry(const MlaVerifyParams& p,
   return from_table ? table_entry<Cfg::kPageSize>(p, page_row, pos) : 0;
 }
 
+// The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
+// half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
+// +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
+// tile kStages before; full[stage] completes when the copies land. Each lane's page-table entry is requested
+// two tiles ahead and turned into a row address only when its tile is issued. (nvcc turns the page_next2 ->
+// page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
+// one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
+// Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
 // early (optional): the entries of the split's first two tiles, already requested by the caller
 // (producer_page_entry of tiles tile_begin and tile_begin + 1, 0 past num_tiles); nullptr: the producer requests them.
 template <class Cfg>

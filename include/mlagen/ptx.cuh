@@ -227,8 +227,8 @@ __device__ __forceinline__ float rcp_approx_ftz(float x) {
   return y;
 }
 
-// log2(x) by one MUFU.LG2 (PTX ISA "lg2": .approx.ftz, max absolute error 2^-22 in the result's mantissa range;
-// subnormal inputs flush to zero, lg2(+0) = -inf). log2f() adds a range reduction and special-case code.
+// log2(x) by one MUFU.LG2 (PTX ISA "lg2": .approx.ftz, max absolute error 2^-22.6 for the mantissa; subnormal inputs
+// flush to zero, lg2(+0) = -inf). log2f() adds a range reduction and special-case code.
 __device__ __forceinline__ float lg2_approx_ftz(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
