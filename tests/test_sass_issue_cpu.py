@@ -52,6 +52,21 @@ def test_loops_skip_retry_branches_past_exit_and_keep_the_innermost():
     assert (s["hmma"], s["ldsm"], s["ldsm_bytes"]) == (n, 1, 512)
 
 
+def test_outside_loops_counts_what_no_loop_holds():
+    rng = random.Random()
+    n, calls, stores = rng.randint(20, 30), rng.randint(1, 4), rng.randint(2, 9)
+    pro = [("LDG.E R2, desc[UR4][R6.64]", 1)] * 3
+    loop = [("HMMA.16816.F32.BF16 R4, R8, R12, R4", 6)] * n
+    body = pro + loop + [(f"@P0 BRA {16 * len(pro):#x}", 5)]
+    body += [("BSSY B0, 0x1000", 1), ("CALL.REL.NOINC 0x2000", 1)] * calls + [("STG.E desc[UR4][R2.64], R5", 1)] * stores
+    body += [("EXIT", 5)]
+    ins = sass_issue.parse_sass(_function("k_partial_kernel", body), "partial_kernel")
+    found = sass_issue.loops(ins, min_hmma=n)
+    assert found == [(len(pro), len(pro) + n)]
+    o = sass_issue.outside_loops(ins, found)
+    assert o == dict(instructions=len(body) - n - 1, call=calls, bssy=calls, stg=stores, ldg=3)
+
+
 def test_issue_model_adds_stalls_and_scoreboard_waits():
     lat = sass_issue.LATENCY["LDSM"]
     # LDSM sets scoreboard 0 (stall 2); the first HMMA waits on it; then n HMMA at stall 6 each

@@ -17,7 +17,11 @@ instructions, and prints per loop:
 - a single-warp scoreboard model: each instruction also waits for the scoreboards in its wait mask, which a
   variable-latency instruction (LDSM, LDS, SHFL, MUFU, ...) releases LATENCY cycles after it issues (assumed
   latencies below, not measured); barrier waits succeed at once, and a branch inside the loop is taken as not taken;
-- the shared-memory bytes its ldmatrix instructions read per iteration (x4: 512 B, x2: 256 B per warp).
+- the shared-memory bytes its ldmatrix instructions read per iteration (x4: 512 B, x2: 256 B per warp);
+
+and then the code outside those loops (what a warp runs once per call: prologue, epilogue, untaken paths): its
+instructions, subroutine calls (slow paths), branch-sync regions, global stores and loads. That code is fetched cold
+and issued in order; on the H200 the dimsplit_t epilogue's per-row divisions cost ~1.6 µs per call (perf-notes v31b).
 
 These are lower bounds for one warp; a measured step (docs/perf-notes.md) adds the other warps of the scheduler
 (tensor pipe and issue slots), the shared-memory pipe of the SM and every wait. --sass FILE writes the whole
@@ -146,6 +150,18 @@ def summary(body: list[dict]) -> dict:
                                  if ops["HMMA"] else 0.0))
 
 
+def outside_loops(ins: list[dict], found: list[tuple[int, int]]) -> dict:
+    """Counts over the instructions of ``ins`` in none of the ``found`` loops (the code a warp runs once per call: its
+    prologue and epilogue, plus paths it never takes): instructions, subroutine calls (CALL: e.g. the slow paths of
+    IEEE division and log2f), branch-sync regions (BSSY), global stores (STG) and loads (LDG)."""
+    inside = set()
+    for first, last in found:
+        inside.update(range(first, last + 1))
+    rest = [x for k, x in enumerate(ins) if k not in inside]
+    ops = collections.Counter(x["op"].split(".")[0] for x in rest)
+    return dict(instructions=len(rest), call=ops["CALL"], bssy=ops["BSSY"], stg=ops["STG"], ldg=ops["LDG"])
+
+
 def cuobjdump_path(given: str | None = None) -> str:
     """``given`` (--cuobjdump), else cuobjdump next to nvcc, else on PATH.
 
@@ -207,11 +223,15 @@ def main() -> int:
     print("| loop (addresses) | instructions | HMMA | LDSM | SHFL | MUFU | STS | HMMA stall mean | stall sum (cycles) "
           "| scoreboard model (cycles) | ldmatrix bytes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for first, last in loops(ins, a.min_hmma):
+    found = loops(ins, a.min_hmma)
+    for first, last in found:
         s = summary(ins[first:last + 1])
         print(f"| {ins[first]['addr']:#x}-{ins[last]['addr']:#x} | {s['instructions']} | {s['hmma']} | {s['ldsm']} | "
               f"{s['shfl']} | {s['mufu']} | {s['sts']} | {s['hmma_stall_mean']:.1f} | {s['stall_sum']} | {s['model']} | "
               f"{s['ldsm_bytes']} |")
+    o = outside_loops(ins, found)
+    print(f"outside these loops (run once per call, from a cold instruction cache): {o['instructions']} instructions, "
+          f"{o['call']} CALL, {o['bssy']} BSSY, {o['stg']} STG, {o['ldg']} LDG")
     return 0
 
 
