@@ -448,6 +448,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 
 #if MLAGEN_DST_EARLY_PAGES == 1
   int32_t early_pages[2] = {0, 0};  // the bf16 producer's first two tiles' entries (dimsplit_produce_bf16's early)
+  static_assert(Cfg::kProducerWarps == 1, "MLAGEN_DST_EARLY_PAGES: one producer warp (its tokens start at 0)");
   if constexpr (!Cfg::kKvFp8 && !Cfg::kBulkLoad) {
     if (warp == Cfg::kProducerWarp) {
       early_pages[0] = producer_page_entry<Cfg>(p, page_row, kv_len, prefix_len, 0, lane, tile_begin);
@@ -819,6 +820,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     // ---- row statistics for the output warps (row sums over the 8 lanes of a t4) and, from rank 0, the LSE
 #if MLAGEN_DST_EPILOGUE == 1
     // lsum_smem gets 1 / l (0 for a row without a visible key), a float2 per n8 tile (rows 2 t4, 2 t4 + 1)
+    static_assert((Cfg::kSmemKv + Cfg::kSmemFp8 + Cfg::kSmemXchg + Cfg::kSmemP + Cfg::kSmemAlpha) % 8 == 0,
+                  "lsum_smem's float2 pairs need an 8-byte aligned offset");
 #pragma unroll
     for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
       float l[2], inv_l[2];
