@@ -54,15 +54,17 @@ def _progress() -> Progress:
 class _BuildProgress:
     """Compile progress of `mlagen build`. In a terminal: a bar over variants, the totals set before
     the first nvcc starts. Otherwise (CI, a pipe): plain lines: one before compiling, one when a
-    module finishes (at most one per ``interval`` seconds, the last always), and a "still compiling"
-    line after ``interval`` seconds without one. Both say when the build waits for another's lock."""
+    module finishes (at most one per ``interval`` seconds, the last always; a "still compiling" line does not
+    count against it), and a "still compiling" line after ``interval`` seconds without any line. Both say when
+    the build waits for another's lock."""
 
     interval = 15.0
 
     def __init__(self, jobs: int):
         self.jobs = jobs
         self.t0 = time.monotonic()
-        self.last_line = self.t0
+        self.last_line = self.t0  # any line (the heartbeat's test)
+        self.last_module_line = self.t0  # the last "compiled" line (the rate limit of those lines)
         self.state = None  # the latest mlagen.build.Progress
         self.plain = not console.is_terminal
         self._stop = threading.Event()
@@ -107,8 +109,10 @@ class _BuildProgress:
                 self.task = self.bar.add_task("", total=p.variants_total)
             self.bar.update(self.task, completed=p.variants_done, total=p.variants_total,
                             description=f"compiling: {p.modules_done}/{p.modules_total} modules")
-        elif not first and (p.modules_done == p.modules_total or time.monotonic() - self.last_line >= self.interval):
+        elif not first and (p.modules_done == p.modules_total or
+                            time.monotonic() - self.last_module_line >= self.interval):
             self._print(f"compiled {self._counts(p)}" + (f"; last {p.last}" if p.last else ""))
+            self.last_module_line = self.last_line
 
     def waiting(self, key: str, lock: Path) -> None:
         self._print(f"waiting for another build of {key} (lock {lock})")

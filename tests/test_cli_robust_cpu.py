@@ -287,6 +287,28 @@ def test_build_progress_plain_lines_when_not_a_terminal(fake_cuda, monkeypatch):
     assert "built 8 variants (0 cached) from 4 modules" in r.output
 
 
+def test_plain_progress_prints_a_finished_module_right_after_a_heartbeat(monkeypatch):
+    """A "still compiling" line does not use up the rate limit of the "compiled" lines: a module that finishes
+    just after one is printed (with one clock for both, a pipe saw only heartbeats until the last module)."""
+    import io
+
+    from rich.console import Console
+
+    from mlagen import cli
+    from mlagen.build import Progress
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, force_terminal=False, width=200))
+    with cli._BuildProgress(2) as prog:
+        prog.update(Progress(modules_total=4, variants_total=8, modules_done=0, variants_done=0, cached=0))
+        prog.last_module_line -= prog.interval  # the first module line is due
+        prog._print("still compiling: (a heartbeat just now)")
+        prog.update(Progress(modules_total=4, variants_total=8, modules_done=1, variants_done=2, cached=0))
+        prog.update(Progress(modules_total=4, variants_total=8, modules_done=2, variants_done=4, cached=0))
+    lines = out.getvalue().splitlines()
+    assert [l.split(",")[0] for l in lines if l.startswith("compiled ")] == ["compiled 1/4 modules (2/8 variants)"], lines
+
+
 def test_terminal_bar_has_totals_before_the_first_module(monkeypatch):
     import io
 
