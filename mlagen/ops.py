@@ -401,8 +401,7 @@ class VerifyKernel:
             if kv2.data_ptr() % align or (kv2.stride(0) * kv2.element_size()) % align:
                 raise ValueError(f"kv_cache rows must be {align}-byte aligned for the draft-row store (kv_write_loc); "
                                  f"row stride {kv2.stride(0)} elements, address % {align} = {kv2.data_ptr() % align}")
-            lo, hi = _span(kv2)
-            if k_new.numel() and _span(k_new)[0] < hi and lo < _span(k_new)[1]:
+            if _overlap(k_new, kv2):
                 raise ValueError("k_new overlaps kv_cache, which the launch writes")
         return k_new
 
