@@ -181,7 +181,7 @@ def _breakdown(be, layer, fb, b, T, reps: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--q-len", type=int, default=9)
     ap.add_argument("--page-size", type=int, default=1)

@@ -241,4 +241,11 @@ if __name__ == "__main__":
             f"{r['tflops']:.1f} | {r['fraction']:.3f} |", flush=True))
         print(f"mma.sync m16n8k16 bf16, 32 warps per SM x 8 chains: {table[0]['peak_tflops']:.1f} TFLOP/s")
     else:
-        print(json.dumps(measure_ceilings(), indent=1))
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("ceilings.py: needs a CUDA GPU (none visible to torch); nothing measured")
+        res = measure_ceilings()
+        print(json.dumps(res, indent=1))
+        if res["errors"]:
+            sys.exit(1)  # (the JSON above names what could not be measured)

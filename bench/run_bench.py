@@ -132,7 +132,7 @@ def time_mlagen(p: dict, k: VerifyKernel) -> float:
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--grid", choices=["small", "full"], default="small")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip-sglang", action="store_true")
@@ -462,7 +462,11 @@ def main(argv=None) -> int:
             print("no shape left after --heads / --batches / --page-sizes / --contexts")
             return 1
         built, failed = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
-        print(f"built {sum(len(b) for b in built.values())} variants, {failed} failed")
+        n_built = sum(len(b) for b in built.values())
+        if n_built == 0 and failed == 0:
+            print(f"no variant of the tuning sweeps matches --kernels {a.kernels!r}; nothing built")
+            return 1
+        print(f"built {n_built} variants, {failed} failed")
         return 1 if failed else 0
     why = out_dir_problem(Path(a.out))
     if why:

@@ -77,14 +77,14 @@ def generate(variants: list[Variant]) -> list[_Job]:
             before anything is written).
     """
     ninja_gen.check_nvcc([a for v in variants for a in v.archs])
-    nvcc_ver = ninja_gen.nvcc_version()
+    toolchain = ninja_gen.toolchain_key()  # nvcc's release and NVCC_* environment: part of the cache key
     by_key: dict[str, _Job] = {}
     for v in variants:
         if v.build_key in by_key:
             by_key[v.build_key].variants.append(v)
             continue
         src = codegen.render_variant(v)
-        h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), nvcc_ver)
+        h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), toolchain)
         o = ninja_gen.variant_outputs(v)
         _record_outputs(v, o)
         codegen.write_if_changed(o["source"], src)
@@ -138,23 +138,35 @@ def _installed_so(key: str, source_hash: str) -> Path:
     return paths.so_dir() / f"{key}.{source_hash[:16]}{ninja_gen.ext_suffix()}"
 
 
-def _registered(reg: Registry, job: _Job) -> list[BuiltVariant] | None:
-    """The job's variants from the registry when all are registered with this source hash."""
+def _registered(reg: Registry, job: _Job, spec_name: str) -> list[BuiltVariant] | None:
+    """The job's variants from the registry when its module is installed from this source hash, else None. A
+    variant not registered yet (another NSPLIT of a module some spec built) is registered with the module's
+    row (its .so, resources and build time) under ``spec_name``: NSPLIT is a launch argument, nothing compiles."""
+    module = _installed_so(job.key, job.source_hash)
+    if not module.exists():
+        return None
     out = []
     for v in job.variants:
         row = reg.get_variant(v.uri)
-        if not (row and row["source_hash"] == job.source_hash and Path(row["so_path"]).exists()):
-            return None
-        out.append(BuiltVariant(v, Path(row["so_path"]), job.source_hash, row["build_seconds"] or 0.0,
-                                row["resources"], cached=True))
+        if not (row and row["source_hash"] == job.source_hash and row["so_path"] == str(module)):
+            sib = reg.module_variant(str(module), job.source_hash)
+            if sib is None:
+                return None
+            reg.put_variant(uri=v.uri, spec=spec_name, variant=v.to_dict(), bucket=v.bucket,
+                            source_hash=job.source_hash, nvcc_version=sib["nvcc_version"], archs=list(v.archs),
+                            so_path=sib["so_path"], build_seconds=sib["build_seconds"] or 0.0,
+                            resources=sib["resources"])
+            row = sib
+        out.append(BuiltVariant(v, module, job.source_hash, row["build_seconds"] or 0.0, row["resources"],
+                                cached=True))
     return out
 
 
-def _split_registered(reg: Registry, jobs: list[_Job]) -> tuple[list[BuiltVariant], list[_Job]]:
-    """(variants already registered with the same source hash, jobs still to build)."""
+def _split_registered(reg: Registry, jobs: list[_Job], spec_name: str) -> tuple[list[BuiltVariant], list[_Job]]:
+    """(variants whose module is installed from the same source hash, jobs still to build)."""
     built, todo = [], []
     for j in jobs:
-        hit = _registered(reg, j)
+        hit = _registered(reg, j, spec_name)
         if hit:
             built += hit
         else:
@@ -205,12 +217,14 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
             are registered; the cause is ``.cause``).
     """
     t0 = time.perf_counter()
-    reg = registry or Registry()
     selected = filter_by_glob(spec.variants(), kernels)
     feasible, infeasible = feasibility.split_feasible(selected)
-    all_jobs = generate(feasible)
+    all_jobs = generate(feasible)  # (the toolchain is checked before anything is written)
+    if not all_jobs:  # nothing to build: no registry (or cache directory) is created
+        return BuildReport([], [], infeasible, time.perf_counter() - t0)
+    reg = registry or Registry()
     failed: list[tuple[Variant, str]] = []
-    built, todo = _split_registered(reg, all_jobs)
+    built, todo = _split_registered(reg, all_jobs, spec.name)
     prog = Progress(len(all_jobs), len(feasible), modules_done=len(all_jobs) - len(todo), variants_done=len(built),
                     cached=len(built))
     if on_progress:
@@ -230,7 +244,7 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
                     stack.callback(lock.release)
             except KeyboardInterrupt as e:  # a signal while waiting for another process's build: nothing compiled here
                 raise BuildInterrupted([], e) from e
-            hits, still = _split_registered(reg, todo)  # second check: another process may have built it
+            hits, still = _split_registered(reg, todo, spec.name)  # second check: another process may have built it
             built += hits
             if hits:
                 prog.modules_done += len(todo) - len(still)

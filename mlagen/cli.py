@@ -258,8 +258,13 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
     from mlagen.ninja_gen import default_jobs
 
     spec = _spec(spec_path, max_variants)
-    if not filter_by_glob(spec.variants(), kernels):
+    selected = filter_by_glob(spec.variants(), kernels)
+    if not selected:
         raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
+    feasible, infeasible = feasibility.split_feasible(selected)
+    _print_infeasible(infeasible)  # before the compile, as `generate` does
+    if not feasible:
+        raise click.ClickException(f"no feasible variant in {spec_path} ({len(infeasible)} dropped, reasons above)")
     jobs = jobs or default_jobs()
     try:
         with _BuildProgress(jobs) as prog:
@@ -273,9 +278,6 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
             ctx.exit(128 + {"SIGINT": 2, "SIGHUP": 1, "SIGTERM": 15}[sig])
         raise click.ClickException(f"build stopped by {type(e.cause).__name__}: {short_repr(str(e.cause))}; "
                                    f"stopped ninja and nvcc; {kept}") from None
-    _print_infeasible(rep.infeasible)
-    if not rep.built and not rep.failed:
-        raise click.ClickException(f"no feasible variant in {spec_path} ({len(rep.infeasible)} dropped, reasons above)")
     cached = sum(x.cached for x in rep.built)
     modules = len({x.variant.build_key for x in rep.built})
     console.print(f"built {_n(len(rep.built), 'variant')} ({cached} cached) from {_n(modules, 'module')} in "

@@ -75,7 +75,8 @@ def headers_digest() -> str:
 
 
 def source_hash(source: str, flags: list[str], nvcc_version: str) -> str:
-    """Cache key of a build: sha256 of rendered source + kernel headers + flags + nvcc version."""
+    """Cache key of a build: sha256 of rendered source + kernel headers + flags + ``nvcc_version`` (the builds pass
+    :func:`mlagen.ninja_gen.toolchain_key`: nvcc's release line and its NVCC_* environment variables)."""
     h = hashlib.sha256()
     for part in (source, headers_digest(), "\0".join(flags), nvcc_version):
         h.update(part.encode())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import reprlib
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -24,16 +26,28 @@ class SpecError(ValueError):
 
 
 MESSAGE_VALUE_LIMIT = 200  # characters of a bad value quoted in a message
+SPEC_BYTES_LIMIT = 1 << 20  # a spec file larger than this is refused before it is read
 MAX_VARIANTS = 512  # larger sweeps need an explicit limit (mlagen --max-variants N)
 MESSAGE_SWEEPS = 6  # sweeps whose sizes a size error lists before it cuts the list short
 DISTINCT_COUNT_LIMIT = 1_000_000  # sweeps up to this many combinations in all are counted without their duplicates
 
 
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 12, 12, 6, 6
+    r.maxstring, r.maxother, r.maxlong = 80, 80, 40
+    return r
+
+
+_BOUNDED_REPR = _bounded_repr()
+
+
 def short_repr(value: Any, limit: int = MESSAGE_VALUE_LIMIT) -> str:
-    """``repr(value)`` cut to ``limit`` characters for a one-line message (a bad value may be a large
-    YAML structure)."""
-    r = repr(value)
-    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
+    """A ``repr(value)`` of at most ``limit`` characters for a one-line message, built without the whole repr: a bad
+    value may be a large YAML structure, or a YAML alias bomb whose repr would not fit in memory (``reprlib``: the
+    first 12 items of a list, 3 levels deep, long strings cut in the middle)."""
+    r = _BOUNDED_REPR.repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}..."
 
 
 _NAME_RE = __import__("re").compile(r"[A-Za-z0-9_.-]{1,100}")
@@ -341,6 +355,8 @@ def parse_spec(data: Any, source: str = "<dict>") -> Spec:
             not divide by the load width / the MMA k step. The message names the key and the
             allowed values.
     """
+    if data is None:
+        raise SpecError(f"spec {source} is empty: it needs at least heads_per_rank and q_len (examples in specs/)")
     if not isinstance(data, Mapping):
         raise SpecError(f"spec {source}: top level must be a mapping of keys to values, got {type(data).__name__}")
     allowed_keys = sorted(set(PARAMS) | set(META_KEYS) | {"arch", "sweeps"})
@@ -495,6 +511,11 @@ def load_spec(path: str | Path) -> Spec:
     """
     path = Path(path)
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, /dev/zero never end
+            raise SpecError(f"cannot read spec {path}: not a regular file")
+        if st.st_size > SPEC_BYTES_LIMIT:
+            raise SpecError(f"spec {path} is {st.st_size:,} bytes; a spec is at most {SPEC_BYTES_LIMIT:,}")
         text = path.read_text()
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}") from None

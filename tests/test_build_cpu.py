@@ -7,7 +7,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from mlagen import codegen, ninja_gen, paths, ptxas
+from mlagen import codegen, ninja_gen, owned, paths, ptxas
 from mlagen.spec import parse_spec
 
 V = parse_spec(dict(heads_per_rank=8, q_len=9, page_size=64, load_width=64, nsplit=32)).variants()[0]
@@ -38,10 +38,31 @@ def test_source_hash_covers_source_flags_and_nvcc():
     assert h != codegen.source_hash("a", ["-O3"], "nvcc 12")
 
 
+def test_cache_key_covers_the_nvcc_environment(cache_env, monkeypatch):
+    """NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS / NVCC_CCBIN change what nvcc builds without changing its command line:
+    a module built with one of them set is not the module built without it."""
+    from mlagen.build import generate
+
+    for k in ninja_gen.NVCC_ENV_VARS:
+        monkeypatch.delenv(k, raising=False)
+    (plain,) = generate([V])
+    keys = {plain.source_hash}
+    for k, val in (("NVCC_APPEND_FLAGS", "-Xptxas -O1"), ("NVCC_PREPEND_FLAGS", "-G"), ("NVCC_CCBIN", "/usr/bin/g++")):
+        monkeypatch.setenv(k, val)
+        (job,) = generate([V])
+        keys.add(job.source_hash)
+        monkeypatch.delenv(k)
+    assert len(keys) == 4
+    (again,) = generate([V])
+    assert again.source_hash == plain.source_hash
+
+
 def test_ninja_files(cache_env):
     text = ninja_gen.variant_ninja(V)
     assert "arch=compute_120,code=sm_120" in text and "arch=compute_90,code=sm_90" in text
     assert "-lineinfo" in text and "-Xptxas -v" in text and "deps = gcc" in text
+    # the intermediates it deletes after a compile: only its own names in its own keep/ (never a user's file there)
+    assert f"keep_names = '{V.build_key}.*'" in text and "-maxdepth 1 -type f -name $keep_names" in text
     top = ninja_gen.top_ninja([V])
     assert f"subninja {ninja_gen.variant_outputs(V)['ninja']}" in top.replace("$:", ":")
 
@@ -96,6 +117,9 @@ def test_real_build_sm120_sm90(built_small):
         text = p.read_text()
         assert "mma.sync.aligned.m16n8k16" in text and "ldmatrix" in text and "cp.async" in text
         assert ptxas.forbidden_in_ptx(text) == []
+    # of nvcc's -keep intermediates (~45 MB) the compile leaves the PTX and the cubins (ninja_gen.variant_ninja)
+    left = sorted(p.name for p in keep.iterdir() if p.name != owned.MANIFEST)
+    assert any(n.endswith(".cubin") for n in left) and all(n.endswith((".ptx", ".cubin")) for n in left), left
     row = Registry().get_variant(b.uri)
     assert row and row["so_path"] == str(b.so_path) and row["resources"]["sm_120"]["smem"] <= 101376
     # the module imports without a GPU and reports its configuration
@@ -112,6 +136,29 @@ def test_cached_rebuild_is_fast_and_noop(built_small):
     rep = build(built_small["spec"], jobs=2)
     assert all(b.cached for b in rep.built) and not rep.failed
     assert rep.seconds < 2.0
+
+
+@pytest.mark.slow
+def test_another_nsplit_of_an_installed_module_compiles_nothing(built_small, monkeypatch):
+    """A spec asking for an NSPLIT no build registered yet gets the installed module (NSPLIT is a launch argument),
+    registered under that spec with the module's resources; ninja does not run."""
+    from mlagen.build import build
+    from mlagen.registry import Registry
+
+    def no_ninja(*args, **kwargs):
+        raise AssertionError("ninja ran for a module that is installed")
+
+    monkeypatch.setattr(ninja_gen, "run_ninja", no_ninja)
+    first = built_small["report"].built[0]
+    spec = parse_spec(dict(name="ci_ns48", heads_per_rank=8, q_len=9, page_size=1, nsplit=[48, 32], load_width=128,
+                           mask="tree", arch=["sm_120", "sm_90"]))
+    rep = build(spec, jobs=2)
+    assert not rep.failed and sorted(b.variant.nsplit for b in rep.built) == [32, 48]
+    assert all(b.cached and b.so_path == first.so_path for b in rep.built)
+    reg = Registry()
+    new = reg.get_variant(next(b.uri for b in rep.built if b.variant.nsplit == 48))
+    assert new["spec"] == "ci_ns48" and new["so_path"] == str(first.so_path) and new["resources"] == first.resources
+    assert reg.get_variant(next(b.uri for b in rep.built if b.variant.nsplit == 32))["spec"] == "ci"  # left as it was
 
 
 @pytest.mark.slow

@@ -242,6 +242,17 @@ def test_missing_nvcc_is_one_line_for_every_compiling_subcommand(fake_cuda, tmp_
     r = CliRunner().invoke(main, [cmd[0], str(fake_cuda), *cmd[1:]])
     assert r.exit_code == 1
     assert _one_error_line(r) == "Error: nvcc not found: install the CUDA toolkit (13.x) or set CUDA_HOME"
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "generated").exists()  # nothing written
+
+
+def test_build_with_nothing_feasible_writes_nothing(fake_cuda, tmp_path):
+    """Every variant dropped: the reasons and one error line, and no cache directory or registry created."""
+    p = tmp_path / "none.yaml"
+    p.write_text("name: t\nheads_per_rank: 8\nq_len: 9\nblock_n: 64\nstages: 4\n")
+    r = CliRunner().invoke(main, ["build", str(p), "--compile-only"])
+    assert r.exit_code == 1 and "dropped" in r.output
+    assert _one_error_line(r).startswith("Error: no feasible variant in")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "generated").exists()
 
 
 @pytest.mark.parametrize("cmd", [["list"], ["show", "mla_verify_x"], ["verify"], ["bench"], ["clean", "--yes"],

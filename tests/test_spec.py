@@ -1,5 +1,7 @@
 import dataclasses
+import os
 import random
+import tracemalloc
 import pytest
 
 from mlagen.feasibility import infeasible_reason, resources, split_feasible
@@ -103,6 +105,39 @@ def test_yaml_errors(tmp_path):
     p.write_text("- 1\n- 2\n")
     with pytest.raises(SpecError, match="top level must be a mapping"):
         load_spec(p)
+    p.write_text("# nothing but a comment\n")
+    with pytest.raises(SpecError, match="is empty: it needs at least heads_per_rank and q_len"):
+        load_spec(p)
+
+
+def test_spec_that_is_not_a_small_regular_file_is_refused_before_reading(tmp_path):
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)  # reading it would block for ever
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_spec(fifo)
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_spec("/dev/zero")
+    big = tmp_path / "big.yaml"
+    big.write_text("heads_per_rank: 8\nq_len: 9\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(SpecError, match=r"is 1,048,6\d\d bytes; a spec is at most 1,048,576"):
+        load_spec(big)
+
+
+def test_yaml_alias_bomb_gets_a_short_error_without_expanding_it(tmp_path):
+    """Seven levels of aliases (10**7 leaves, a ~30 MB repr; two more levels would not fit in memory): the message
+    quotes a bounded repr, built without the whole one."""
+    levels = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)]
+    p = tmp_path / "bomb.yaml"
+    p.write_text("q_len: 9\nheads_per_rank: [[" + ", ".join(levels) + "]]\n")  # one sweep value: the whole bomb
+    tracemalloc.start()
+    try:
+        with pytest.raises(SpecError, match="spec key 'heads_per_rank': expected int") as e:
+            load_spec(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20 and len(str(e.value)) < 400, (peak, str(e.value)[:500])
 
 
 def test_infeasible_variants_are_dropped_with_reason():

@@ -63,7 +63,7 @@ def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[st
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri")
     ap.add_argument("--define", action="append", default=[],
                     help="NAME=v1,v2[,...]: the builds to compare (the first is the base); repeated: zipped")

@@ -56,7 +56,7 @@ def build(v: Variant, mask: int, out_dir: Path) -> Path:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--batch", type=int, default=1)

@@ -70,7 +70,7 @@ def split_shape(kv_len: int, block_n: int, splits: int, min_tiles: int) -> tuple
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri")
     ap.add_argument("--policies", default="waves:mt64,auto")
     ap.add_argument("--cases", default="1x4096,1x16384,1x65536,1x131072", help="BSxCTX,...")

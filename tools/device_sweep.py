@@ -21,7 +21,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("spec_json", metavar="SPEC_JSON")
     ap.add_argument("shapes", metavar="SHAPES", type=_shapes)
     ap.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: mlagen's, MAX_JOBS)")

@@ -104,7 +104,7 @@ def capture_fd1(fn) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri")
     ap.add_argument("--contexts", default="65536")
     ap.add_argument("--batches", default="1,4")

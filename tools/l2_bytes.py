@@ -176,7 +176,7 @@ def _child(uri: str, ctx: int, bs: int, defines: list[str] | None = None) -> Non
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uris", nargs="+", metavar="URI")
     ap.add_argument("--ctx", type=int, default=65536, help="context (kv length, draft tokens included); default 64k")
     ap.add_argument("--bs", type=int, default=1)

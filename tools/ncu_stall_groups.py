@@ -39,7 +39,7 @@ def _num(r: list[str], i: int) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=10, help="groups to print (largest share first); with --group also "
                     "the number of its most-sampled instructions listed")

@@ -182,7 +182,7 @@ def cuobjdump_path(given: str | None = None) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri")
     ap.add_argument("--arch", default="sm_90", choices=("sm_90", "sm_120"))
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE")
