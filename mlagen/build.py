@@ -78,6 +78,12 @@ def generate(variants: list[Variant]) -> list[_Job]:
     """
     ninja_gen.check_nvcc([a for v in variants for a in v.archs])
     toolchain = ninja_gen.toolchain_key()  # nvcc's release and NVCC_* environment: part of the cache key
+    first = {}
+    for v in variants:
+        first.setdefault(v.build_key, v)
+    for v in first.values():  # a user's file where a module's output goes: refused before anything is written
+        owned.refuse_foreign(_written_files(ninja_gen.variant_outputs(v)),
+                             "move it away, or set MLAGEN_GENERATED_DIR to another directory")
     by_key: dict[str, _Job] = {}
     for v in variants:
         if v.build_key in by_key:
@@ -87,21 +93,38 @@ def generate(variants: list[Variant]) -> list[_Job]:
         h = codegen.source_hash(src, ninja_gen.nvcc_flags(v), toolchain)
         o = ninja_gen.variant_outputs(v)
         _record_outputs(v, o)
-        codegen.write_if_changed(o["source"], src)
-        codegen.write_if_changed(o["ninja"], ninja_gen.variant_ninja(v, h))
-        by_key[v.build_key] = _Job([v], src, h, o)
+        job = _Job([v], src, h, o)
+        _write_sources(job)
+        by_key[v.build_key] = job
     return list(by_key.values())
+
+
+def _written_files(o: dict) -> list[Path]:
+    """The files of a module's build directory that mlagen writes (ninja_gen.variant_outputs ``o``): the source, its
+    build.ninja, ninja's output, nvcc's log and depfile, and the lock of builds sharing this generated directory."""
+    return [Path(o[k]) for k in ("source", "ninja", "so", "log")] + [Path(str(o["so"]) + ".d"), _generated_lock(o)]
+
+
+def _generated_lock(o: dict) -> Path:
+    """Lock of a module's build directory: builds with different caches may share one generated directory."""
+    return Path(o["dir"]) / "build.lock"
 
 
 def _record_outputs(v: Variant, o: dict) -> None:
     """Record in the manifests (:mod:`mlagen.owned`) every file a variant's build writes, so that
     `mlagen clean` removes exactly these."""
     owned.ensure_dir(o["dir"])
-    for k in ("source", "ninja", "so", "log"):
-        owned.record(o[k])
-    owned.record(Path(str(o["so"]) + ".d"))  # nvcc -MF depfile
+    for p in _written_files(o):
+        owned.record(p)
     owned.ensure_dir(o["keep"])
     owned.record_glob(o["keep"], f"{v.build_key}.*")  # nvcc -keep intermediates
+
+
+def _write_sources(job: _Job) -> None:
+    """Write the job's source and build.ninja (only where they differ): at generation, and again once its locks are
+    held, since another process (another checkout sharing MLAGEN_GENERATED_DIR) may have written its own since."""
+    codegen.write_if_changed(job.outputs["source"], job.source)
+    codegen.write_if_changed(job.outputs["ninja"], ninja_gen.variant_ninja(job.variants[0], job.source_hash))
 
 
 def check_build(v: Variant, outputs: dict) -> tuple[dict, str | None]:
@@ -232,16 +255,18 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     if todo:
         with ninja_gen.sigterm_as_interrupt(), ExitStack() as stack:
             try:
-                for j in sorted(todo, key=lambda j: j.key):  # sorted: no lock-order deadlock
-                    lock_path = owned.record(paths.lock_dir() / f"{j.key}.lock")
-                    lock = FileLock(str(lock_path))
-                    try:
-                        lock.acquire(timeout=0)
-                    except Timeout:
-                        if on_wait:
-                            on_wait(j.key, lock_path)
-                        lock.acquire()
-                    stack.callback(lock.release)
+                # per module: its generated directory's lock, then its cache's, in the modules' sorted order (every
+                # process takes them in this order: no deadlock)
+                for j in sorted(todo, key=lambda j: j.key):
+                    for lock_path in (_generated_lock(j.outputs), owned.record(paths.lock_dir() / f"{j.key}.lock")):
+                        lock = FileLock(str(lock_path))
+                        try:
+                            lock.acquire(timeout=0)
+                        except Timeout:
+                            if on_wait:
+                                on_wait(j.key, lock_path)
+                            lock.acquire()
+                        stack.callback(lock.release)
             except KeyboardInterrupt as e:  # a signal while waiting for another process's build: nothing compiled here
                 raise BuildInterrupted([], e) from e
             hits, still = _split_registered(reg, todo, spec.name)  # second check: another process may have built it
@@ -253,6 +278,8 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
                 if on_progress:
                     on_progress(prog)
             if still:
+                for j in still:
+                    _write_sources(j)  # this job's, whatever another process sharing the directory wrote before
                 b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), prog, on_progress, reg)
                 built += b2
                 failed += f2
@@ -312,13 +339,18 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_prog
 def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
     """Check a compiled module, install its .so atomically and register its variants.
     Returns (built, failed)."""
-    try:
-        compiled_source = Path(j.outputs["source"]).read_bytes()
-    except FileNotFoundError:
-        compiled_source = b""
-    if compiled_source != j.source.encode():  # the .cu ninja compiled is not this job's (written before the lock)
-        reason = ("its generated source changed during the build (another mlagen process built the same module from "
-                  "other sources into this MLAGEN_GENERATED_DIR?): not registered; build again")
+    def text_of(path) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    # the .cu and build.ninja (its include path and build id) ninja used are this job's: another process sharing this
+    # MLAGEN_GENERATED_DIR may write them (`mlagen generate` takes no lock)
+    if (text_of(j.outputs["source"]) != j.source.encode()
+            or text_of(j.outputs["ninja"]) != ninja_gen.variant_ninja(j.variants[0], j.source_hash).encode()):
+        reason = ("its generated source or build.ninja changed during the build (another mlagen process wrote the "
+                  "same module's files into this MLAGEN_GENERATED_DIR?): not registered; build again")
         return [], [(v, reason) for v in j.variants]
     resources, reason = check_build(j.variants[0], j.outputs)
     if reason:

@@ -192,7 +192,7 @@ class _Group(click.Group):
             except (OSError, ValueError, AttributeError):
                 pass
             ctx.exit(141)
-        except (ToolchainError, RegistryError) as e:
+        except (ToolchainError, RegistryError, owned.NotOwnedError) as e:
             raise click.ClickException(str(e)) from None
         except (OSError, sqlite3.DatabaseError) as e:
             raise click.ClickException(f"{type(e).__name__}: {e} (check MLAGEN_CACHE_DIR / MLAGEN_GENERATED_DIR)") from None

@@ -178,6 +178,22 @@ def is_recorded(path: str | os.PathLike) -> bool:
     return any(_line_matches(line, path.name) for line in _entries(path.parent))
 
 
+class NotOwnedError(Exception):
+    """A file mlagen would write exists and mlagen did not write it (see :func:`refuse_foreign`)."""
+
+
+def refuse_foreign(paths_: list[Path], hint: str = "move it away") -> None:
+    """Raise :class:`NotOwnedError` naming the first of ``paths_`` that exists and is not recorded as mlagen's (a
+    user's file of a name mlagen writes): call it for every path a command will write, before the first write.
+
+    Raises:
+        NotOwnedError: such a file exists (one line: its path, and ``hint``).
+    """
+    for p in paths_:
+        if os.path.lexists(p) and not is_recorded(p):
+            raise NotOwnedError(f"{p} exists and was not written by mlagen: {hint}")
+
+
 def record(path: str | os.PathLike, *, written: bool = False) -> Path:
     """Note that mlagen is about to write ``path`` (a file, or a directory made by :func:`ensure_dir`) in its
     directory's manifest; a no-op outside the cache and generated roots. Call it before the write: a path that

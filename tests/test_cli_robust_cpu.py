@@ -362,6 +362,90 @@ def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
     assert FileLock(str(lock_path)).acquire(timeout=0)
 
 
+def test_builds_sharing_a_generated_directory_take_its_lock(fake_cuda, tmp_path, monkeypatch):
+    """Two caches, one MLAGEN_GENERATED_DIR: a build waits on the module's lock in the generated directory (not only on
+    its cache's), so two nvcc never write one module's outputs at once."""
+    from filelock import FileLock
+
+    from mlagen.build import _generated_lock
+    from mlagen.ninja_gen import variant_outputs
+    from mlagen.spec import load_spec
+
+    v = load_spec(fake_cuda).variants()[0]
+    lock_path = _generated_lock(variant_outputs(v))
+    assert CliRunner().invoke(main, ["generate", str(fake_cuda)]).exit_code == 0  # (records the lock's name as mlagen's)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(1.5)",
+                               str(lock_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "other-cache"))  # another cache: its own cache locks
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    holder.wait()
+    assert r.exit_code == 0, r.output
+    assert f"waiting for another build of {v.build_key} (lock {lock_path})" in r.output
+    assert FileLock(str(lock_path)).acquire(timeout=0)
+
+
+def test_sources_another_checkout_wrote_are_rewritten_under_the_lock(fake_cuda, tmp_path, monkeypatch):
+    """Between this build's generation and its locks another checkout sharing the generated directory wrote its own
+    .cu and build.ninja (another include path): the build writes its own again before compiling, and registers."""
+    from mlagen import build as build_mod
+
+    real_generate = build_mod.generate
+
+    def overwritten_after(variants):
+        jobs = real_generate(variants)
+        for j in jobs:
+            Path(j.outputs["source"]).write_text("// another checkout's source\n")
+            Path(j.outputs["ninja"]).write_text(Path(j.outputs["ninja"]).read_text().replace(" -I", " -I/elsewhere -I"))
+        return jobs
+
+    monkeypatch.setattr(build_mod, "generate", overwritten_after)
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 0 and "0 failed" in r.output, r.output
+    for cu in (tmp_path / "generated").rglob("mla_verify_*.cu"):
+        assert cu.read_text().startswith("// stand-in source of ")
+        assert "/elsewhere" not in (cu.parent / "build.ninja").read_text()
+
+
+def test_a_build_ninja_rewritten_during_the_build_is_not_registered(fake_cuda, tmp_path, monkeypatch):
+    """`mlagen generate` of another checkout (no lock) rewrote build.ninja while ninja ran: the module may have been
+    compiled with the other include path, so it is not registered."""
+    from mlagen import build as build_mod
+    from mlagen.registry import Registry
+
+    real_register = build_mod._register
+
+    def rewritten_first(spec, j, secs, reg):
+        ninja = Path(j.outputs["ninja"])
+        ninja.write_text(ninja.read_text().replace(" -I", " -I/elsewhere -I"))
+        return real_register(spec, j, secs, reg)
+
+    monkeypatch.setattr(build_mod, "_register", rewritten_first)
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    assert r.exit_code == 1 and "source or build.ninja changed during the build" in r.output, r.output
+    assert Registry(create=False).variants() == []
+
+
+@pytest.mark.parametrize("name", ["source", "ninja"])
+def test_generate_refuses_to_overwrite_a_users_file(fake_cuda, tmp_path, name):
+    """A file of a name mlagen writes in a module's directory that mlagen did not write: one error line, and nothing
+    written (the user's file as it was, no other module generated)."""
+    from mlagen.ninja_gen import variant_outputs
+    from mlagen.spec import load_spec
+
+    vs = load_spec(fake_cuda).variants()
+    mine = Path(variant_outputs(vs[-1])[name])
+    mine.parent.mkdir(parents=True)
+    mine.write_text("a user's file")
+    r = CliRunner().invoke(main, ["generate", str(fake_cuda)])
+    assert r.exit_code == 1 and _one_error_line(r) == (
+        f"Error: {mine} exists and was not written by mlagen: move it away, or set MLAGEN_GENERATED_DIR to another "
+        "directory"), r.output
+    assert mine.read_text() == "a user's file"
+    assert sorted(p for p in (tmp_path / "generated").rglob("*") if p.is_file()) == [mine]
+
+
 def test_signal_whose_exception_is_lost_still_stops_ninja(tmp_path):
     """A KeyboardInterrupt raised by the signal handler can be dropped (Python ignores exceptions raised inside
     finalizers, where a handler may happen to run): run_ninja stops ninja on the signal itself and raises once
@@ -907,7 +991,7 @@ def test_a_source_rewritten_during_the_build_is_not_registered(fake_cuda, tmp_pa
 
     monkeypatch.setattr(build_mod, "_register", rewritten_first)
     r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
-    assert r.exit_code == 1 and "generated source changed during the build" in r.output, r.output
+    assert r.exit_code == 1 and "generated source or build.ninja changed during the build" in r.output, r.output
     from mlagen.registry import Registry
 
     assert Registry(create=False).variants() == []
