@@ -210,7 +210,7 @@ class Progress:
 
 
 class BuildInterrupted(KeyboardInterrupt):
-    """The build stopped on SIGINT / SIGTERM / SIGHUP or an error; ninja and every nvcc under it were
+    """The build stopped on SIGINT / SIGTERM / SIGHUP / SIGQUIT or an error; ninja and every nvcc under it were
     stopped. ``built``: variants whose modules had finished before, now registered."""
 
     def __init__(self, built: list[BuiltVariant], cause: BaseException | None = None):
@@ -235,7 +235,7 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
         ninja_gen.ToolchainError: nvcc missing, unusable or too old for an arch of the selected variants
             (checked before anything is written, even when every module is cached); MAX_JOBS not a positive
             integer (read when ``jobs`` is None and a module must compile).
-        BuildInterrupted: SIGINT / SIGTERM / SIGHUP while waiting for another process's lock, or any exception
+        BuildInterrupted: SIGINT / SIGTERM / SIGHUP / SIGQUIT while waiting for another process's lock, or any exception
             during the compile, ninja missing included (ninja and nvcc are stopped; modules finished before it
             are registered; the cause is ``.cause``).
     """

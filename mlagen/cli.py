@@ -174,9 +174,23 @@ def _print_infeasible(infeasible) -> None:
                       soft_wrap=True)
 
 
+class _OneLineUsageError(click.ClickException):
+    """A usage error printed as one ``Error:`` line, with click's exit status for usage errors (2)."""
+
+    exit_code = 2
+
+
 class _Group(click.Group):
     """Maps environment failures (missing or old toolchain, unreadable cache, corrupt registry) to
     one-line errors, for every subcommand."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:  # an option of `mlagen` itself: one line, as for the subcommands (invoke)
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `mlagen` (click 8.2+): its help, as click prints it
+                raise
+            raise _OneLineUsageError(f"{e.format_message()} (see `{ctx.command_path} --help`)") from None
 
     def invoke(self, ctx):
         import sqlite3
@@ -186,6 +200,9 @@ class _Group(click.Group):
 
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a bad option or command: one line (click would add its usage and a hint)
+            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            raise _OneLineUsageError(f"{e.format_message()} (see `{where} --help`)") from None
         except BrokenPipeError:  # `mlagen list | head`: the reader is gone; stop quietly, like a SIGPIPE
             try:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -273,9 +290,9 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
         n = len(e.built)
         kept = f"{n} variant(s) compiled before that are registered (a re-run reuses them)"
         if isinstance(e.cause, KeyboardInterrupt) or e.cause is None:
-            sig = str(e.cause) if str(e.cause) in ("SIGTERM", "SIGHUP") else "SIGINT"
+            sig = str(e.cause) if str(e.cause) in ("SIGTERM", "SIGHUP", "SIGQUIT") else "SIGINT"
             console.print(f"interrupted ({sig}): stopped ninja and nvcc; {kept}")
-            ctx.exit(128 + {"SIGINT": 2, "SIGHUP": 1, "SIGTERM": 15}[sig])
+            ctx.exit(128 + {"SIGINT": 2, "SIGHUP": 1, "SIGQUIT": 3, "SIGTERM": 15}[sig])
         raise click.ClickException(f"build stopped by {type(e.cause).__name__}: {short_repr(str(e.cause))}; "
                                    f"stopped ninja and nvcc; {kept}") from None
     cached = sum(x.cached for x in rep.built)

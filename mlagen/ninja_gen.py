@@ -6,6 +6,7 @@ and one top-level file that includes many variants so ninja builds them in paral
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -13,6 +14,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -278,7 +280,7 @@ def default_jobs() -> int:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt(on_signal=None):
-    """Within the block, SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt (its text the signal's name), so
+    """Within the block, SIGINT, SIGTERM, SIGHUP and SIGQUIT raise KeyboardInterrupt (its text the signal's name), so
     every ``finally`` / ``except BaseException`` that stops the compile tree runs (main thread only).
     ``on_signal(name)`` runs first: Python drops an exception raised by a signal handler that happens to run
     inside a finalizer (``Exception ignored in ...``), so whoever must stop on the signal should not rely on
@@ -293,13 +295,30 @@ def sigterm_as_interrupt(on_signal=None):
             on_signal(name)
         raise KeyboardInterrupt(name)
 
-    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
     old = {s: signal.signal(s, handler) for s in sigs}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn`` for ninja (Linux): SIGTERM to it when the process that started it dies, however it dies
+    (SIGKILL, a crash: no handler of ours runs then), prctl(2) PR_SET_PDEATHSIG; ninja then stops its compiles as on
+    any SIGTERM. If that process is already gone when the child starts, the child ends at once."""
+
+    def pre_exec() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return pre_exec
 
 
 def _session_members(sid: int) -> list[int]:
@@ -338,7 +357,7 @@ def stop_tree(proc: subprocess.Popen, grace: float = 10.0) -> None:
 def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> tuple[int, str]:
     """Run ninja on ``targets`` with -k 0 (keep going). Streams stdout lines to ``on_line``.
 
-    ninja runs in a session of its own; an interrupt (SIGINT, SIGTERM, SIGHUP) or an error in this
+    ninja runs in a session of its own; an interrupt (SIGINT, SIGTERM, SIGHUP, SIGQUIT) or an error in this
     process stops it and every nvcc under it (:func:`stop_tree`) before the exception propagates.
 
     Returns (exit code, full output).
@@ -357,8 +376,11 @@ def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> 
                 os.killpg(ninja[0].pid, signal.SIGTERM)
 
     with sigterm_as_interrupt(on_signal):
+        # PR_SET_PDEATHSIG belongs to the thread that forks: only from the main thread, which outlives the compile
+        pdeath = (_die_with_parent(os.getpid()) if sys.platform.startswith("linux")
+                  and threading.current_thread() is threading.main_thread() else None)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=str(build_file.parent), start_new_session=True)
+                                cwd=str(build_file.parent), start_new_session=True, preexec_fn=pdeath)
         ninja.append(proc)
         try:
             assert proc.stdout is not None

@@ -28,6 +28,22 @@ def test_missing_spec_file(runner):
     assert r.exit_code != 0 and "does-not-exist.yaml" in r.output
 
 
+@pytest.mark.parametrize("args,want", [
+    (["build", "specs/kimi-k2-tp8-verify.yaml", "--jobs", "0"], "Invalid value for '--jobs'"),
+    (["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", ",,"], "names no glob"),
+    (["bench", "--contexts", "1,,2"], "expected comma-separated positive integers"),
+    (["build"], "Missing argument 'SPEC'"),
+    (["biuld"], "Did you mean 'build'?"),
+    (["--bogus"], "No such option '--bogus'"),
+])
+def test_usage_errors_are_one_line(runner, args, want):
+    """A bad option, argument or command: exit 2 and one `Error:` line naming the --help to read, not click's usage
+    block (usage, hint, blank line, error)."""
+    r = runner.invoke(main, args)
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1, r.output
+    assert r.output.startswith("Error: ") and want in r.output and "--help`)" in r.output, r.output
+
+
 def test_bad_jobs_and_glob(runner):
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--jobs", "0"])
     assert r.exit_code == 2 and "--jobs" in r.output

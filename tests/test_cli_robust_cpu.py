@@ -168,7 +168,7 @@ def test_clean_all_prompt_lists_what_goes(fake_cuda, tmp_path):
 
 # ---- item 3: interrupts stop ninja and nvcc, finished modules are registered
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGQUIT])
 def test_interrupt_stops_compile_tree_and_keeps_finished(fake_cuda, tmp_path, sig):
     pids = tmp_path / "pids"
     env = dict(os.environ, FAKE_NVCC_SLOW="*ps64*", FAKE_NVCC_PIDS=str(pids))
@@ -197,6 +197,28 @@ def test_interrupt_stops_compile_tree_and_keeps_finished(fake_cuda, tmp_path, si
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "built 8 variants (4 cached)" in r.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killed_build_leaves_no_ninja_or_nvcc(fake_cuda, tmp_path):
+    """SIGKILL (no handler runs): ninja gets SIGTERM from the kernel as its parent dies and stops the compiles."""
+    pids = tmp_path / "pids"
+    env = dict(os.environ, FAKE_NVCC_SLOW="*ps64*", FAKE_NVCC_PIDS=str(pids))
+    cmd = [sys.executable, "-c", DRIVER, "build", str(fake_cuda), "--jobs", "4", "--compile-only"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (pids.exists() and len(pids.read_text().split()) >= 4):
+        time.sleep(0.1)
+    hung = [int(p) for p in pids.read_text().split()]
+    assert hung and all(_alive(p) for p in hung)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (any(_alive(p) for p in hung) or _procs_mentioning(str(tmp_path))):
+        time.sleep(0.1)
+    assert not [p for p in hung if _alive(p)], "nvcc / its children left running"
+    assert not _procs_mentioning(str(tmp_path)), "ninja or nvcc left running"
 
 
 def test_error_during_compile_stops_ninja(fake_cuda, tmp_path, monkeypatch):

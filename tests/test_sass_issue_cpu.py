@@ -53,18 +53,22 @@ def test_loops_skip_retry_branches_past_exit_and_keep_the_innermost():
 
 
 def test_outside_loops_counts_what_no_loop_holds():
+    """Neither the hot loop, nor the loop around it, nor a loop without HMMA (a producer's copies) is code run once."""
     rng = random.Random()
     n, calls, stores = rng.randint(20, 30), rng.randint(1, 4), rng.randint(2, 9)
     pro = [("LDG.E R2, desc[UR4][R6.64]", 1)] * 3
     loop = [("HMMA.16816.F32.BF16 R4, R8, R12, R4", 6)] * n
-    body = pro + loop + [(f"@P0 BRA {16 * len(pro):#x}", 5)]
+    outer0 = len(pro)  # the outer loop: one LDG, the hot loop, its back branch
+    body = pro + [("LDG.E R3, desc[UR4][R8.64]", 1)] + loop + [(f"@P0 BRA {16 * (outer0 + 1):#x}", 5)]
+    body += [(f"@P1 BRA {16 * outer0:#x}", 5)]
+    copy0 = len(body)  # a loop of global copies, no HMMA
+    body += [("LDG.E R9, desc[UR4][R10.64]", 1), ("STG.E desc[UR4][R12.64], R9", 1), (f"@P2 BRA {16 * copy0:#x}", 5)]
     body += [("BSSY B0, 0x1000", 1), ("CALL.REL.NOINC 0x2000", 1)] * calls + [("STG.E desc[UR4][R2.64], R5", 1)] * stores
     body += [("EXIT", 5)]
     ins = sass_issue.parse_sass(_function("k_partial_kernel", body), "partial_kernel")
-    found = sass_issue.loops(ins, min_hmma=n)
-    assert found == [(len(pro), len(pro) + n)]
-    o = sass_issue.outside_loops(ins, found)
-    assert o == dict(instructions=len(body) - n - 1, call=calls, bssy=calls, stg=stores, ldg=3)
+    assert sass_issue.loops(ins, min_hmma=n) == [(outer0 + 1, outer0 + 1 + n)]
+    once = len(pro) + 2 * calls + stores + 1
+    assert sass_issue.outside_loops(ins) == dict(instructions=once, call=calls, bssy=calls, stg=stores, ldg=3)
 
 
 def test_issue_model_adds_stalls_and_scoreboard_waits():

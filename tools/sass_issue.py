@@ -83,11 +83,12 @@ def parse_sass(text: str, function_substr: str) -> list[dict]:
     return out
 
 
-def loops(ins: list[dict], min_hmma: int) -> list[tuple[int, int]]:
-    """(first, last) instruction indices of each loop: a branch back to an earlier address within the function,
-    with no EXIT between, holding at least ``min_hmma`` HMMA; a loop that contains a listed one is left out."""
+def loop_spans(ins: list[dict]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of every loop: a branch back to an earlier address within the function,
+    with no EXIT between (a retry branch placed after the function's exit, e.g. of an mbarrier try-wait, jumps back
+    over the rest of the function: not a loop of its own). Nested loops give a span each."""
     index = {x["addr"]: k for k, x in enumerate(ins)}
-    found = []
+    spans = []
     for k, x in enumerate(ins):
         if not x["op"].startswith("BRA"):
             continue
@@ -97,12 +98,15 @@ def loops(ins: list[dict], min_hmma: int) -> list[tuple[int, int]]:
         target = int(m.group(1), 16)
         if target < x["addr"] and target in index:
             first = index[target]
-            body = ins[first:k + 1]
-            # (a retry branch placed after the function's exit, e.g. of an mbarrier try-wait, jumps back over
-            # the rest of the function: not a loop of its own)
-            if not any(y["op"] == "EXIT" for y in body) and \
-                    sum(1 for y in body if y["op"].startswith("HMMA")) >= min_hmma:
-                found.append((first, k))
+            if not any(y["op"] == "EXIT" for y in ins[first:k + 1]):
+                spans.append((first, k))
+    return spans
+
+
+def loops(ins: list[dict], min_hmma: int) -> list[tuple[int, int]]:
+    """The spans of :func:`loop_spans` holding at least ``min_hmma`` HMMA; a loop that contains a listed one is
+    left out (the innermost hot loops)."""
+    found = [(a, b) for a, b in loop_spans(ins) if sum(1 for y in ins[a:b + 1] if y["op"].startswith("HMMA")) >= min_hmma]
     found.sort(key=lambda r: r[1] - r[0])
     kept = []
     for r in found:
@@ -150,12 +154,13 @@ def summary(body: list[dict]) -> dict:
                                  if ops["HMMA"] else 0.0))
 
 
-def outside_loops(ins: list[dict], found: list[tuple[int, int]]) -> dict:
-    """Counts over the instructions of ``ins`` in none of the ``found`` loops (the code a warp runs once per call: its
-    prologue and epilogue, plus paths it never takes): instructions, subroutine calls (CALL: e.g. the slow paths of
-    IEEE division and log2f), branch-sync regions (BSSY), global stores (STG) and loads (LDG)."""
+def outside_loops(ins: list[dict]) -> dict:
+    """Counts over the instructions of ``ins`` in no loop at all (:func:`loop_spans`: hot or not, inner or outer; the
+    code a warp runs once per call: its prologue and epilogue, plus paths it never takes): instructions, subroutine
+    calls (CALL: e.g. the slow paths of IEEE division and log2f), branch-sync regions (BSSY), global stores (STG) and
+    loads (LDG)."""
     inside = set()
-    for first, last in found:
+    for first, last in loop_spans(ins):
         inside.update(range(first, last + 1))
     rest = [x for k, x in enumerate(ins) if k not in inside]
     ops = collections.Counter(x["op"].split(".")[0] for x in rest)
@@ -229,8 +234,8 @@ def main() -> int:
         print(f"| {ins[first]['addr']:#x}-{ins[last]['addr']:#x} | {s['instructions']} | {s['hmma']} | {s['ldsm']} | "
               f"{s['shfl']} | {s['mufu']} | {s['sts']} | {s['hmma_stall_mean']:.1f} | {s['stall_sum']} | {s['model']} | "
               f"{s['ldsm_bytes']} |")
-    o = outside_loops(ins, found)
-    print(f"outside these loops (run once per call, from a cold instruction cache): {o['instructions']} instructions, "
+    o = outside_loops(ins)
+    print(f"outside every loop (run once per call, from a cold instruction cache): {o['instructions']} instructions, "
           f"{o['call']} CALL, {o['bssy']} BSSY, {o['stg']} STG, {o['ldg']} LDG")
     return 0
 
