@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import numbers
+import operator
 import os
 import weakref
 from pathlib import Path
@@ -305,11 +307,12 @@ class VerifyKernel:
             block_table: int32 [rows, max_pages] page ids, last dim contiguous (page_size 1: SGLang's
                 req_to_token). It must cover ceil(kv_len / page_size) pages of every request.
             kv_lens: int32 [bs] cached tokens per request including the draft tokens; 0 = padded row.
-            q_len: draft tokens per request, 1 <= q_len <= variant.q_len.
-            softmax_scale: float > 0 (the layer's scaling, yarn mscale included).
+            q_len: draft tokens per request, 1 <= q_len <= variant.q_len (any integer type, numpy's included).
+            softmax_scale: float > 0 (the layer's scaling, yarn mscale included; a numpy float is taken too).
             tree_mask: int64 [bs, q_len] bitmasks (mask 'tree' only): bit j of row i = query i sees draft j.
             req_pool_indices: optional int32/int64 [bs]: request b reads block_table[req_pool_indices[b]].
-            out: optional bf16 [bs*q_len, H, kv_lora_rank]; lse: optional fp32 [bs*q_len, H] (natural log).
+            out: optional bf16 [bs*q_len, H, kv_lora_rank], any strides whose rows (last dim, contiguous) do not
+                overlap (token-major or head-major); lse: optional fp32 [bs*q_len, H] (natural log).
             workspace: optional fp32 1-D from :meth:`alloc_workspace` (its 64-byte header is mlagen's: write
                 only the rest; a workspace made otherwise works, but never folds the combine in). With out and
                 workspace given, the call allocates nothing and never synchronizes (CUDA-graph safe).
@@ -331,17 +334,18 @@ class VerifyKernel:
                 alignment (out / lse rows overlapping included); out, lse and kv_lens overlap each other; bs >
                 65,535; block_table is empty or has fewer than bs rows without req_pool_indices; a tree variant gets no tree_mask; the workspace is too small,
                 not contiguous, not 16-byte aligned or overlaps an input or output; kv_write_loc comes without
-                k_new; k_new is given to a module built before draft-row support; with kv_write_loc, k_new overlaps
-                kv_cache or kv_cache rows are not 16-byte (e4m3: 8-byte) aligned for the draft-row store.
+                k_new; k_new is given to a module built before draft-row support; with kv_write_loc, k_new or any
+                other tensor of the call overlaps kv_cache (which the launch then writes) or kv_cache rows are not
+                16-byte (e4m3: 8-byte) aligned for the draft-row store; kv_cache has no slots.
             RuntimeError: the CUDA launch failed.
         """
         v = self.variant
         D, DV, H = v.dim_qk, v.dim_v, v.heads
-        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
-            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
-        if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-                and math.isfinite(softmax_scale) and 0 < softmax_scale < 3.0e38):
+        q_len = self._checked_q_len(q_len)
+        if not (isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+                and math.isfinite(softmax_scale) and 0 < softmax_scale < 3.0e38):  # (numpy floats are Real)
             raise ValueError(f"softmax_scale must be a finite float > 0 (fp32 range), got {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
         bs = self._check_batch_tensors(kv_lens, block_table, q_len, tree_mask, req_pool_indices)
         _check(q, "q", torch.bfloat16, shape=(bs * q_len, H, D))
         if q.stride(2) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
@@ -352,7 +356,7 @@ class VerifyKernel:
         _check(out, "out", torch.bfloat16, shape=(bs * q_len, H, DV))
         if out.stride(2) != 1 or out.stride(0) % 2 or out.stride(1) % 2 or out.data_ptr() % 4:
             raise ValueError(f"out must have a contiguous last dim, even strides and 4-byte alignment; strides {out.stride()}")
-        if out.stride(1) < DV or out.stride(0) < H * out.stride(1):
+        if _rows_overlap(out):
             raise ValueError(f"out rows must not overlap: strides {out.stride()} for shape {tuple(out.shape)}")
         if lse is not None:
             _check(lse, "lse", torch.float32, shape=(bs * q_len, H))
@@ -365,6 +369,11 @@ class VerifyKernel:
             if named[a] is not None and named[b] is not None and _overlap(named[a], named[b]):
                 raise ValueError(f"{a} overlaps {b}")
         k_new2 = self._check_new_kv(k_new, kv_write_loc, bs * q_len, kv2)
+        if kv_write_loc is not None:  # the launch writes kv_cache: none of its other tensors may lie in it
+            for name, t in dict(q=q, out=out, lse=lse, block_table=block_table, kv_lens=kv_lens, tree_mask=tree_mask,
+                                req_pool_indices=req_pool_indices, kv_write_loc=kv_write_loc).items():
+                if t is not None and _overlap(kv2, t):
+                    raise ValueError(f"{name} overlaps kv_cache, which the launch writes (kv_write_loc)")
         _check_devices(q.device, [q, kv2, block_table, kv_lens, out, tree_mask, req_pool_indices, lse, workspace,
                                   k_new2, kv_write_loc])
         splits = self.num_splits(bs, q.device)
@@ -373,6 +382,17 @@ class VerifyKernel:
             req_pool_indices=req_pool_indices, k_new=k_new2, kv_write_loc=kv_write_loc))
         return self._launch(q, kv2, block_table, req_pool_indices, kv_lens, tree_mask, workspace, out, lse,
                             bs, q_len, splits, softmax_scale, self._new_kv_args(k_new2, kv_write_loc, kv2))
+
+    def _checked_q_len(self, q_len) -> int:
+        """``q_len`` as an int in [1, variant.q_len] (any integer type: numpy's too; not bool), else ValueError."""
+        v = self.variant
+        try:
+            n = operator.index(q_len) if not isinstance(q_len, bool) else None
+        except TypeError:
+            n = None
+        if n is None or not 1 <= n <= v.q_len:
+            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        return n
 
     def _check_new_kv(self, k_new, kv_write_loc, tokens: int, kv2):
         """Validate ``k_new`` / ``kv_write_loc`` of :meth:`__call__`; returns k_new's [tokens, D] view or None."""
@@ -427,9 +447,7 @@ class VerifyKernel:
             ValueError: as :meth:`__call__` for these tensors (dtype, shape, device, strides, workspace size,
                 alignment or overlap).
         """
-        v = self.variant
-        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
-            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        q_len = self._checked_q_len(q_len)
         bs = self._check_batch_tensors(kv_lens, block_table, q_len, tree_mask, req_pool_indices)
         if workspace is not None:
             _check(workspace, "workspace", torch.float32, ndim=1)
@@ -619,12 +637,16 @@ class VerifyKernel:
                 below 1. (The fill does not depend on the variant: the kernel that reads the table must use the same
                 page_size, which the SGLang backend's startup checks ensure.)
         """
+        for name, t in dict(kv_lens=kv_lens, block_table=block_table, req_to_token=req_to_token).items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tree_mask is not None and not isinstance(tree_mask, torch.Tensor):
+            raise ValueError(f"tree_mask must be a torch.Tensor or None, got {type(tree_mask).__name__}")
         if kv_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or req_to_token.dtype != torch.int32:
             raise ValueError(f"kv_lens, block_table and req_to_token must be int32, got {kv_lens.dtype}, "
                              f"{block_table.dtype} and {req_to_token.dtype}")
         if not (kv_lens.is_contiguous() and block_table.stride(-1) == 1 and req_to_token.stride(-1) == 1):
-            raise ValueError("seq_lens, req_pool_indices and kv_lens must be contiguous; block_table and "
-                             "req_to_token need a contiguous last dim")
+            raise ValueError("kv_lens must be contiguous; block_table and req_to_token need a contiguous last dim")
         if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.stride(-1) != 1
                                       or tree_mask.dim() != 2):
             raise ValueError(f"tree_mask must be torch.int64, 2-D, with a contiguous last dim; got {tree_mask.dtype} "
@@ -671,6 +693,8 @@ class VerifyKernel:
             _check(kv2, "kv_cache", torch.bfloat16, ndim=2)
         if kv2.shape[1] != D:
             raise ValueError(f"kv_cache last dim must be {D} (kv_lora_rank {v.kv_lora_rank} + rope {v.qk_rope_head_dim}), got {kv2.shape[1]}")
+        if kv2.shape[0] == 0:
+            raise ValueError("kv_cache has no slots: the page table's entries index its rows")
         if kv2.stride(1) != 1 or (kv2.stride(0) * kv2.element_size()) % lw_bytes or kv2.data_ptr() % lw_bytes:
             raise ValueError(
                 f"kv_cache rows must be contiguous and {lw_bytes}-byte aligned for load_width {v.load_width}; "
@@ -729,6 +753,8 @@ class VerifyKernel:
         """dtype / shape / stride checks of the per-batch tensors; returns bs."""
         v = self.variant
         _check(kv_lens, "kv_lens", torch.int32, ndim=1)
+        if tree_mask is not None and not isinstance(tree_mask, torch.Tensor):
+            raise ValueError(f"tree_mask must be a torch.Tensor or None, got {type(tree_mask).__name__}")
         if not kv_lens.is_contiguous():
             raise ValueError("kv_lens must be contiguous")
         bs = kv_lens.shape[0]
@@ -870,6 +896,10 @@ class MetadataFill:
     def __call__(self, seq_lens, req_pool_indices, *, extra: int, num_padding: int, npages: int, q_len: int = 0,
                  tree_mode: str | None = None, custom_mask=None) -> None:
         """Fill the bound buffers for this step (arguments and errors as :meth:`VerifyKernel.fill_metadata`)."""
+        for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D torch.Tensor, got "
+                                 f"{f'shape {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__}")
         if seq_lens.dtype not in INDEX_DTYPES or req_pool_indices.dtype not in INDEX_DTYPES:
             raise ValueError(f"seq_lens and req_pool_indices must be int32 or int64, got {seq_lens.dtype} and "
                              f"{req_pool_indices.dtype}")
@@ -956,6 +986,19 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, last byte + 1) that a strided tensor can touch."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _rows_overlap(t: torch.Tensor) -> bool:
+    """Whether two of the last-dim rows of a 3-D tensor with a contiguous last dim share memory: with its two outer
+    dims ordered by stride (a dim of size 1 left out), the smaller stride must be at least the row length and the
+    larger at least the smaller dim's extent (any order: token-major or head-major)."""
+    dims = sorted((st, n) for n, st in zip(t.shape[:2], t.stride()[:2]) if n > 1)
+    extent = t.shape[2]
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * n
+    return False
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -234,6 +234,27 @@ def test_dimsplit_equals_rowblock(kernels, key):
     assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("key", ["k2", "k2_dst"])
+def test_head_major_out_equals_token_major(kernels, key):
+    """out may be any layout whose rows do not overlap (ops._rows_overlap): written head-major ([H, T, 512]
+    transposed), the kernel gives the same bits as into a contiguous out, and touches nothing between the rows."""
+    from mlagen.cases import make_problem
+
+    k = next(k for k in kernels[key] if k.variant.nsplit == "auto" and k.variant.page_size == 1)
+    H, DV = k.variant.heads, k.variant.dim_v
+    p = make_problem(k.variant, [9, 40, 4099], device="cuda")
+    T = p.q.shape[0]
+    plain = torch.full((T, H, DV), float("nan"), dtype=torch.bfloat16, device="cuda")
+    k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=plain, **p.kernel_args())
+    backing = torch.full((H, T + 1, DV), float("nan"), dtype=torch.bfloat16, device="cuda")  # a spare row per head
+    head_major = backing[:, :T].transpose(0, 1)
+    k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=head_major, **p.kernel_args())
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain.float()).all()
+    assert torch.equal(head_major, plain)
+    assert torch.isnan(backing[:, T].float()).all()  # the rows past the out view stay as they were
+
+
 @pytest.mark.parametrize("key", ["h1", "h128", "h16", "k2_bn32", "k2_ov", "k2_w4", "k2_w16", "ds_rows", "dsp_rows",
                                  "k2_ds2p", "fp8_rows", "dst_rows", "dst_fp8_rows"])
 def test_other_shapes(kernels, key):

@@ -740,3 +740,77 @@ def test_draft_row_store_alignment_devices_and_output_overlaps_are_refused(monke
     with pytest.raises(ValueError, match="block_table .* is empty"):
         _call(k, dict(d, block_table=torch.zeros(3, 0, dtype=torch.int32)), out=out, workspace=ws)
     assert k.module.calls == calls, "a rejected call launched"
+
+
+def test_numpy_scalars_are_taken_and_a_head_major_out_is_not_an_overlap(monkeypatch):
+    """q_len as a numpy integer and softmax_scale as a numpy float are numbers like any other (passed on as Python
+    int / float); an out laid out head-major ([H, T, 512] transposed to [T, H, 512]) has rows that do not overlap."""
+    np = pytest.importorskip("numpy")
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _ArgsModule()
+    d = dict(_inputs(), workspace=torch.empty(k.workspace_numel(2), dtype=torch.float32))
+    head_major = torch.empty(8, 18, 512, dtype=torch.bfloat16).transpose(0, 1)
+    assert head_major.stride() == (512, 18 * 512, 1)
+    out, _ = _call(k, d, q_len=np.int64(9), softmax_scale=np.float32(0.125), out=head_major)
+    assert out is head_major and k.module.calls == 1
+    assert type(k.module.args[-2]) is float and k.module.args[-2] == 0.125
+    for bad in (torch.empty(18, 8, 512, dtype=torch.bfloat16).as_strided((18, 8, 512), (512, 256, 1)),
+                torch.empty(8, 18, 512, dtype=torch.bfloat16).as_strided((18, 8, 512), (512, 8 * 512, 1))):
+        with pytest.raises(ValueError, match="out rows must not overlap"):
+            _call(k, d, out=bad)
+    with pytest.raises(ValueError, match=r"q_len must be an int in \[1, 9\]"):
+        _call(k, d, q_len=np.float64(9.0))
+    assert k.module.calls == 1
+
+
+def test_a_written_kv_cache_may_hold_no_other_tensor_and_needs_slots(monkeypatch):
+    """With kv_write_loc the launch writes kv_cache, so q, out, lse, the metadata and kv_write_loc itself must lie
+    outside it; a kv_cache without slots is refused. Nothing launches."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _AbiModule()
+    d, ws, out, k_new, loc = _draft_row_case(k)
+    pool = d["kv_cache"]
+    inside = dict(block_table=pool.view(-1)[:120].view(torch.int32).view(3, 20),
+                  kv_lens=pool.view(-1)[:6].view(torch.int32),
+                  kv_write_loc=pool.view(-1)[:108].view(torch.int64))
+    for name, t in inside.items():
+        dd = dict(d, **{name: t}) if name != "kv_write_loc" else d
+        with pytest.raises(ValueError, match=f"{name} overlaps kv_cache, which the launch writes"):
+            _call(k, dd, out=out, workspace=ws, k_new=k_new, kv_write_loc=t if name == "kv_write_loc" else loc)
+    with pytest.raises(ValueError, match="kv_cache has no slots"):
+        _call(k, dict(d, kv_cache=torch.empty(0, 576, dtype=torch.bfloat16)), out=out, workspace=ws)
+    assert k.module.calls == 0
+    _call(k, d, out=out, workspace=ws, k_new=k_new, kv_write_loc=loc)  # the same call with separate tensors runs
+    assert k.module.calls == 1
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("tree_mask", [[1] * 9] * 3, "tree_mask must be a torch.Tensor or None, got list"),
+    ("kv_lens", [5, 7, 1, 0], "kv_lens must be a torch.Tensor, got list"),
+    ("seq_lens", torch.tensor(5), "seq_lens must be a 1-D torch.Tensor, got shape ()"),
+    ("seq_lens", torch.tensor([[5, 7, 1, 2]]), "seq_lens must be a 1-D torch.Tensor, got shape (1, 4)"),
+    ("req_pool_indices", (2, 1, 0), "req_pool_indices must be a 1-D torch.Tensor, got tuple"),
+])
+def test_metadata_arguments_of_the_wrong_kind_are_value_errors(monkeypatch, where, value, message):
+    """Not a tensor, or a tensor of the wrong rank: a ValueError naming it, not an AttributeError or IndexError."""
+    _on_gpu(monkeypatch)
+    k = _kernel()
+    k.module = _FillModule()
+    d = dict(_meta_inputs(), **{where: value})
+    with pytest.raises(ValueError) as e:
+        k.fill_metadata(d["kv_lens"], d["block_table"], d["seq_lens"], d["req_pool_indices"], d["req_to_token"],
+                        extra=9, num_padding=1, npages=4, page_size=1, q_len=9, tree_mask=d["tree_mask"],
+                        tree_mode="causal")
+    assert message in str(e.value)
+    assert k.module.calls == 0
+
+
+def test_a_tree_mask_that_is_not_a_tensor_is_a_value_error_on_a_causal_variant():
+    k = _kernel(mask="causal")
+    with pytest.raises(ValueError, match="tree_mask must be a torch.Tensor or None, got list"):
+        _call(k, dict(_inputs(), tree_mask=[[1] * 9] * 2))
+    with pytest.raises(ValueError, match="tree_mask must be a torch.Tensor or None, got list"):
+        k.check_batch(_inputs()["kv_lens"], _inputs()["block_table"], q_len=9, tree_mask=[[1] * 9] * 2)
+    assert k.module.calls == 0
