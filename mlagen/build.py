@@ -313,14 +313,16 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_prog
         rc, output = ninja_gen.run_ninja(top, targets, n_jobs, on_line)
     except BaseException as e:  # interrupt or error: ninja and nvcc are stopped; keep what finished
         secs = (time.perf_counter() - t0) * min(n_jobs, len(jobs_)) / len(jobs_)
+        logged = ninja_gen.logged_build_seconds(targets)
         done = []
         for j in jobs_:
             if Path(j.outputs["so"]).exists() and ninja_gen.target_up_to_date(top, str(j.outputs["so"])):
-                ok, _ = _register(spec, j, secs, reg)
+                ok, _ = _register(spec, j, logged.get(str(j.outputs["so"]), secs), reg)
                 done += ok
         raise BuildInterrupted(done, e) from e
     wall = time.perf_counter() - t0
-    secs = wall * min(n_jobs, len(jobs_)) / len(jobs_)  # per-module share of the parallel build
+    secs = wall * min(n_jobs, len(jobs_)) / len(jobs_)  # per-module share of the parallel build, if ninja logged none
+    logged = ninja_gen.logged_build_seconds(targets)  # each module's own compile time
     built, failed = [], []
     for j in jobs_:
         so = Path(j.outputs["so"])
@@ -330,7 +332,7 @@ def _compile(spec: Spec, jobs_: list[_Job], n_jobs: int, prog: Progress, on_prog
             text = log.read_text() if log.exists() else output
             failed += [(v, _error_excerpt(text)) for v in j.variants]
             continue
-        b, f = _register(spec, j, secs, reg)
+        b, f = _register(spec, j, logged.get(str(so), secs), reg)
         built += b
         failed += f
     return built, failed

@@ -545,7 +545,10 @@ def _iso(ts) -> str | None:
 @main.command()
 @click.argument("uri")
 def show(uri: str) -> None:
-    """Everything recorded about one variant (times in ISO 8601)."""
+    """Everything recorded about one variant (times in ISO 8601).
+
+    `spec` is the spec whose build registered it last, `build_seconds` its module's compile time as ninja logged it.
+    """
     import json
 
     from mlagen.registry import Registry

@@ -400,6 +400,24 @@ def run_ninja(build_file: Path, targets: list[str], jobs: int, on_line=None) -> 
     return rc, "".join(out)
 
 
+def logged_build_seconds(targets: list[str]) -> dict[str, float]:
+    """Seconds each of ``targets`` took in its latest build, from ninja's log in the generated directory's builddir
+    (``.ninja_log``, formats v5-v7: a line per finished edge with its start and end in ms, then its output; a
+    target's last line is its latest build). A target the log does not name (or an unreadable log) is left out.
+    """
+    log = paths.generated_dir() / NINJA_BUILDDIR / ".ninja_log"
+    want, found = set(targets), {}
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in lines[1:]:
+        f = line.split("\t")
+        if len(f) >= 4 and f[3] in want and f[0].isdigit() and f[1].isdigit():
+            found[f[3]] = (int(f[1]) - int(f[0])) / 1000.0
+    return found
+
+
 def target_up_to_date(build_file: Path, target: str) -> bool:
     """True when ninja has nothing left to do for ``target`` (it built, or was already built)."""
     r = subprocess.run([ninja_path(), "-f", str(build_file), "-n", target], capture_output=True, text=True,

@@ -1017,3 +1017,45 @@ def test_a_source_rewritten_during_the_build_is_not_registered(fake_cuda, tmp_pa
     from mlagen.registry import Registry
 
     assert Registry(create=False).variants() == []
+
+
+def test_each_module_records_its_own_compile_time_from_ninjas_log(fake_cuda, tmp_path, monkeypatch):
+    """build_seconds of a variant is its module's compile time as ninja logged it (end - start of its edge), not the
+    build's wall time shared out over the modules."""
+    from mlagen import ninja_gen
+    from mlagen.registry import Registry
+
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.3")
+    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only", "--jobs", "4"])
+    assert r.exit_code == 0, r.output
+    log = tmp_path / "generated" / ninja_gen.NINJA_BUILDDIR / ".ninja_log"
+    edges = {}
+    for line in log.read_text().splitlines()[1:]:
+        start, end, _mtime, out = line.split("\t")[:4]
+        edges[out] = (int(end) - int(start)) / 1000.0
+    rows = Registry(create=False).variants()
+    assert rows
+    for row in rows:
+        assert row["build_seconds"] == pytest.approx(edges[_ninja_output_of(row)], abs=1e-9)
+        assert row["build_seconds"] >= 0.3
+
+
+def _ninja_output_of(row) -> str:
+    """ninja's output path (the module in the generated directory) of a registry row."""
+    from mlagen import ninja_gen
+    from mlagen.spec import Variant
+
+    return str(ninja_gen.variant_outputs(Variant.from_dict(row["variant"]))["so"])
+
+
+def test_logged_build_seconds_reads_the_latest_line_of_each_target(tmp_path, monkeypatch):
+    from mlagen import ninja_gen
+
+    monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(tmp_path))
+    d = tmp_path / ninja_gen.NINJA_BUILDDIR
+    d.mkdir()
+    (d / ".ninja_log").write_text("# ninja log v7\n0\t1500\t1\t/g/a.so\tff\n10\t20\t1\t/g/b.so\tff\ngarbage line\n"
+                                  "5\tx\t1\t/g/a.so\tff\n100\t2600\t1\t/g/a.so\tff\n")
+    assert ninja_gen.logged_build_seconds(["/g/a.so", "/g/c.so"]) == {"/g/a.so": 2.5}
+    (d / ".ninja_log").unlink()
+    assert ninja_gen.logged_build_seconds(["/g/a.so"]) == {}
