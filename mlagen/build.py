@@ -69,12 +69,16 @@ class _Job:
         return self.variants[0].build_key
 
 
-def generate(variants: list[Variant]) -> list[_Job]:
-    """Render sources and build.ninja files (written only when changed); one job per build key.
+def generate(variants: list[Variant], write: bool = True) -> list[_Job]:
+    """Render sources and build.ninja files; one job per build key. ``write``: write them now (only where they
+    changed), each under its module's generated-directory lock, as ``mlagen generate`` does; :func:`build` passes
+    False and writes a module's files only once it holds that lock, so a build that shares the generated directory
+    (another checkout, another nvcc environment) never rewrites them under a running compile.
 
     Raises:
         ninja_gen.ToolchainError: nvcc missing, or too old for an arch of ``variants`` (checked once,
             before anything is written).
+        owned.NotOwnedError: a file of a name a module's build writes exists and mlagen did not write it.
     """
     ninja_gen.check_nvcc([a for v in variants for a in v.archs])
     toolchain = ninja_gen.toolchain_key()  # nvcc's release and NVCC_* environment: part of the cache key
@@ -94,7 +98,9 @@ def generate(variants: list[Variant]) -> list[_Job]:
         o = ninja_gen.variant_outputs(v)
         _record_outputs(v, o)
         job = _Job([v], src, h, o)
-        _write_sources(job)
+        if write:
+            with FileLock(str(_generated_lock(o))):
+                _write_sources(job)
         by_key[v.build_key] = job
     return list(by_key.values())
 
@@ -121,8 +127,8 @@ def _record_outputs(v: Variant, o: dict) -> None:
 
 
 def _write_sources(job: _Job) -> None:
-    """Write the job's source and build.ninja (only where they differ): at generation, and again once its locks are
-    held, since another process (another checkout sharing MLAGEN_GENERATED_DIR) may have written its own since."""
+    """Write the job's source and build.ninja (only where they differ); the caller holds the module's generated-directory
+    lock (:func:`_generated_lock`), as every writer of these files does."""
     codegen.write_if_changed(job.outputs["source"], job.source)
     codegen.write_if_changed(job.outputs["ninja"], ninja_gen.variant_ninja(job.variants[0], job.source_hash))
 
@@ -162,26 +168,28 @@ def _installed_so(key: str, source_hash: str) -> Path:
 
 
 def _registered(reg: Registry, job: _Job, spec_name: str) -> list[BuiltVariant] | None:
-    """The job's variants from the registry when its module is installed from this source hash, else None. A
-    variant not registered yet (another NSPLIT of a module some spec built) is registered with the module's
-    row (its .so, resources and build time) under ``spec_name``: NSPLIT is a launch argument, nothing compiles."""
-    module = _installed_so(job.key, job.source_hash)
-    if not module.exists():
+    """The job's variants from the registry when its module is registered from this source hash and its .so exists,
+    else None. A variant not registered yet (another NSPLIT of a module some spec built) is registered with the
+    module's row (its .so, resources and build time) under ``spec_name``: NSPLIT is a launch argument, nothing
+    compiles."""
+    def usable(row) -> bool:
+        return bool(row) and row["source_hash"] == job.source_hash and Path(row["so_path"]).exists()
+
+    rows = [reg.get_variant(v.uri) for v in job.variants]
+    sib = next((r for r in rows if usable(r)), None) or next(
+        (r for r in reg.module_variants(job.source_hash) if usable(r)), None)
+    if sib is None:
         return None
     out = []
-    for v in job.variants:
-        row = reg.get_variant(v.uri)
-        if not (row and row["source_hash"] == job.source_hash and row["so_path"] == str(module)):
-            sib = reg.module_variant(str(module), job.source_hash)
-            if sib is None:
-                return None
+    for v, row in zip(job.variants, rows):
+        if not usable(row):
             reg.put_variant(uri=v.uri, spec=spec_name, variant=v.to_dict(), bucket=v.bucket,
                             source_hash=job.source_hash, nvcc_version=sib["nvcc_version"], archs=list(v.archs),
                             so_path=sib["so_path"], build_seconds=sib["build_seconds"] or 0.0,
                             resources=sib["resources"])
             row = sib
-        out.append(BuiltVariant(v, module, job.source_hash, row["build_seconds"] or 0.0, row["resources"],
-                                cached=True))
+        out.append(BuiltVariant(v, Path(row["so_path"]), job.source_hash, row["build_seconds"] or 0.0,
+                                row["resources"], cached=True))
     return out
 
 
@@ -242,7 +250,7 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
     t0 = time.perf_counter()
     selected = filter_by_glob(spec.variants(), kernels)
     feasible, infeasible = feasibility.split_feasible(selected)
-    all_jobs = generate(feasible)  # (the toolchain is checked before anything is written)
+    all_jobs = generate(feasible, write=False)  # (the toolchain is checked before anything is written)
     if not all_jobs:  # nothing to build: no registry (or cache directory) is created
         return BuildReport([], [], infeasible, time.perf_counter() - t0)
     reg = registry or Registry()
@@ -279,7 +287,7 @@ def build(spec: Spec, kernels: str | None = None, jobs: int | None = None,
                     on_progress(prog)
             if still:
                 for j in still:
-                    _write_sources(j)  # this job's, whatever another process sharing the directory wrote before
+                    _write_sources(j)  # under its locks: no other build writes these files until it is registered
                 b2, f2 = _compile(spec, still, jobs or ninja_gen.default_jobs(), prog, on_progress, reg)
                 built += b2
                 failed += f2

@@ -198,10 +198,16 @@ class _Group(click.Group):
         from mlagen.ninja_gen import ToolchainError
         from mlagen.registry import RegistryError
 
+        # the subcommand's name, read before click's Group.invoke consumes the arguments (click 8 keeps it apart in
+        # _protected_args; click 9 in args)
+        first = next(iter([*getattr(ctx, "_protected_args", []), *ctx.args]), None)
         try:
             return super().invoke(ctx)
         except click.UsageError as e:  # a bad option or command: one line (click would add its usage and a hint)
-            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            if e.ctx is not None:
+                where = e.ctx.command_path
+            else:  # (e.g. "Option '-j' requires an argument": no context; the subcommand is the first argument)
+                where = f"{ctx.command_path} {first}" if first in self.commands else ctx.command_path
             raise _OneLineUsageError(f"{e.format_message()} (see `{where} --help`)") from None
         except BrokenPipeError:  # `mlagen list | head`: the reader is gone; stop quietly, like a SIGPIPE
             try:

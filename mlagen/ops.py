@@ -384,10 +384,11 @@ class VerifyKernel:
                             bs, q_len, splits, softmax_scale, self._new_kv_args(k_new2, kv_write_loc, kv2))
 
     def _checked_q_len(self, q_len) -> int:
-        """``q_len`` as an int in [1, variant.q_len] (any integer type: numpy's too; not bool), else ValueError."""
+        """``q_len`` as an int in [1, variant.q_len] (any integer type: numpy's too; not bool, and not a tensor, whose
+        value would be read by a device synchronization), else ValueError."""
         v = self.variant
         try:
-            n = operator.index(q_len) if not isinstance(q_len, bool) else None
+            n = operator.index(q_len) if not isinstance(q_len, (bool, torch.Tensor)) else None
         except TypeError:
             n = None
         if n is None or not 1 <= n <= v.q_len:
@@ -488,8 +489,7 @@ class VerifyKernel:
         v = self.variant
         if not self.has_direct:
             raise ValueError(f"{v.uri}: this build has no run_direct; rebuild it with `mlagen build`")
-        if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= v.q_len:
-            raise ValueError(f"q_len must be an int in [1, {v.q_len}] for {v.uri}, got {q_len!r}")
+        q_len = self._checked_q_len(q_len)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 0 <= batch_size <= 65535:
             raise ValueError(f"batch_size must be an int in [0, 65535], got {batch_size!r}")
         _check(req_to_token, "req_to_token", torch.int32, ndim=2)

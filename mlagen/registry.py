@@ -132,13 +132,12 @@ class Registry:
             rows = c.execute("SELECT * FROM variants ORDER BY uri").fetchall()
         return [v for v in (self._variant_row(r) for r in rows) if uri_matches(v["uri"], pattern)]
 
-    def module_variant(self, so_path: str, source_hash: str) -> dict | None:
-        """A row (as :meth:`get_variant`) of a variant built into the module installed at ``so_path`` from
-        ``source_hash``, or None: its nsplit siblings need no compile (:func:`mlagen.build.build`)."""
+    def module_variants(self, source_hash: str) -> list[dict]:
+        """The rows (as :meth:`get_variant`) of the variants compiled from ``source_hash``: one module (the hash covers
+        its source, flags and toolchain), whose nsplit siblings need no compile (:func:`mlagen.build.build`)."""
         with self._conn() as c:
-            row = c.execute("SELECT * FROM variants WHERE so_path=? AND source_hash=? ORDER BY uri LIMIT 1",
-                            (so_path, source_hash)).fetchone()
-        return self._variant_row(row) if row else None
+            rows = c.execute("SELECT * FROM variants WHERE source_hash=? ORDER BY uri", (source_hash,)).fetchall()
+        return [self._variant_row(r) for r in rows]
 
     def drop_stale_build(self, build_key: str, source_hash: str) -> int:
         """Delete variants compiled into module ``build_key`` from another source hash (they would

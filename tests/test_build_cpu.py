@@ -55,6 +55,10 @@ def test_cache_key_covers_the_nvcc_environment(cache_env, monkeypatch):
     assert len(keys) == 4
     (again,) = generate([V])
     assert again.source_hash == plain.source_hash
+    for blank in ("", "  "):  # an empty variable counts as unset, as every MLAGEN_* / CUDA_HOME one does
+        monkeypatch.setenv("NVCC_APPEND_FLAGS", blank)
+        (job,) = generate([V])
+        assert job.source_hash == plain.source_hash
 
 
 def test_ninja_files(cache_env):

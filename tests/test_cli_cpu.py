@@ -28,20 +28,23 @@ def test_missing_spec_file(runner):
     assert r.exit_code != 0 and "does-not-exist.yaml" in r.output
 
 
-@pytest.mark.parametrize("args,want", [
-    (["build", "specs/kimi-k2-tp8-verify.yaml", "--jobs", "0"], "Invalid value for '--jobs'"),
-    (["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", ",,"], "names no glob"),
-    (["bench", "--contexts", "1,,2"], "expected comma-separated positive integers"),
-    (["build"], "Missing argument 'SPEC'"),
-    (["biuld"], "Did you mean 'build'?"),
-    (["--bogus"], "No such option '--bogus'"),
+@pytest.mark.parametrize("args,want,where", [
+    (["build", "specs/kimi-k2-tp8-verify.yaml", "--jobs", "0"], "Invalid value for '--jobs'", "build"),
+    (["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", ",,"], "names no glob", "build"),
+    (["bench", "--contexts", "1,,2"], "expected comma-separated positive integers", "bench"),
+    (["build", "-j"], "Option '-j' requires an argument", "build"),
+    (["bench", "--contexts"], "Option '--contexts' requires an argument", "bench"),
+    (["build"], "Missing argument 'SPEC'", "build"),
+    (["biuld"], "Did you mean 'build'?", ""),
+    (["--bogus"], "No such option '--bogus'", ""),
 ])
-def test_usage_errors_are_one_line(runner, args, want):
-    """A bad option, argument or command: exit 2 and one `Error:` line naming the --help to read, not click's usage
-    block (usage, hint, blank line, error)."""
-    r = runner.invoke(main, args)
+def test_usage_errors_are_one_line(runner, args, want, where):
+    """A bad option, argument or command: exit 2 and one `Error:` line naming the --help to read (the subcommand's
+    when there is one), not click's usage block (usage, hint, blank line, error)."""
+    r = runner.invoke(main, args, prog_name="mlagen")
     assert r.exit_code == 2 and len(r.output.splitlines()) == 1, r.output
-    assert r.output.startswith("Error: ") and want in r.output and "--help`)" in r.output, r.output
+    assert r.output.startswith("Error: ") and want in r.output, r.output
+    assert r.output.rstrip().endswith(f"(see `mlagen{' ' + where if where else ''} --help`)"), r.output
 
 
 def test_bad_jobs_and_glob(runner):

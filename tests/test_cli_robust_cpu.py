@@ -412,14 +412,16 @@ def test_sources_another_checkout_wrote_are_rewritten_under_the_lock(fake_cuda, 
     """Between this build's generation and its locks another checkout sharing the generated directory wrote its own
     .cu and build.ninja (another include path): the build writes its own again before compiling, and registers."""
     from mlagen import build as build_mod
+    from mlagen import ninja_gen
 
     real_generate = build_mod.generate
 
-    def overwritten_after(variants):
-        jobs = real_generate(variants)
+    def overwritten_after(variants, **kw):
+        jobs = real_generate(variants, **kw)
         for j in jobs:
             Path(j.outputs["source"]).write_text("// another checkout's source\n")
-            Path(j.outputs["ninja"]).write_text(Path(j.outputs["ninja"]).read_text().replace(" -I", " -I/elsewhere -I"))
+            other = ninja_gen.variant_ninja(j.variants[0], j.source_hash).replace(" -I", " -I/elsewhere -I")
+            Path(j.outputs["ninja"]).write_text(other)
         return jobs
 
     monkeypatch.setattr(build_mod, "generate", overwritten_after)
@@ -428,6 +430,25 @@ def test_sources_another_checkout_wrote_are_rewritten_under_the_lock(fake_cuda, 
     for cu in (tmp_path / "generated").rglob("mla_verify_*.cu"):
         assert cu.read_text().startswith("// stand-in source of ")
         assert "/elsewhere" not in (cu.parent / "build.ninja").read_text()
+
+
+def test_a_second_build_with_another_cache_key_does_not_spoil_a_running_one(fake_cuda, tmp_path):
+    """One generated directory, one cache; build B (another nvcc environment: another cache key, other build.ninja
+    files) starts while build A compiles. B writes its files only once it holds the modules' locks, so A's files stay
+    A's and A registers its modules; then B builds its own."""
+    started = tmp_path / "started"
+    cmd = [sys.executable, "-c", DRIVER, "build", str(fake_cuda), "--compile-only", "--jobs", "4"]
+    a = subprocess.Popen(cmd, env=dict(os.environ, FAKE_NVCC_SLEEP="2", FAKE_NVCC_STARTED=str(started)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not started.exists():
+        time.sleep(0.05)
+    assert started.exists(), "build A never started a compile"
+    b = subprocess.run(cmd, env=dict(os.environ, NVCC_APPEND_FLAGS="-Xptxas -O1"), capture_output=True, text=True,
+                       timeout=120)
+    out_a, _ = a.communicate(timeout=120)
+    assert a.returncode == 0 and "0 failed" in out_a, out_a
+    assert b.returncode == 0 and "0 failed" in b.stdout and "(0 cached)" in b.stdout, b.stdout + b.stderr
 
 
 def test_a_build_ninja_rewritten_during_the_build_is_not_registered(fake_cuda, tmp_path, monkeypatch):
@@ -1057,5 +1078,19 @@ def test_logged_build_seconds_reads_the_latest_line_of_each_target(tmp_path, mon
     (d / ".ninja_log").write_text("# ninja log v7\n0\t1500\t1\t/g/a.so\tff\n10\t20\t1\t/g/b.so\tff\ngarbage line\n"
                                   "5\tx\t1\t/g/a.so\tff\n100\t2600\t1\t/g/a.so\tff\n")
     assert ninja_gen.logged_build_seconds(["/g/a.so", "/g/c.so"]) == {"/g/a.so": 2.5}
+    assert ninja_gen.logged_build_seconds(["/g/sub/../b.so"]) == {"/g/sub/../b.so": 0.01}  # ninja logs it normalised
     (d / ".ninja_log").unlink()
     assert ninja_gen.logged_build_seconds(["/g/a.so"]) == {}
+
+
+def test_a_cache_reached_through_a_symlink_is_still_a_cache_hit(fake_cuda, tmp_path, monkeypatch):
+    """The registry's .so paths are spelled as the first build spelled them: a later build through another spelling of
+    the same directories (a symlinked home, say) reuses the modules."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    for base, want in ((real, "(0 cached)"), (tmp_path / "link", "(8 cached)"), (real, "(8 cached)")):
+        monkeypatch.setenv("MLAGEN_CACHE_DIR", str(base / "cache"))
+        monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(base / "generated"))
+        r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+        assert r.exit_code == 0 and want in r.output, (base, r.output)

@@ -759,8 +759,9 @@ def test_numpy_scalars_are_taken_and_a_head_major_out_is_not_an_overlap(monkeypa
                 torch.empty(8, 18, 512, dtype=torch.bfloat16).as_strided((18, 8, 512), (512, 8 * 512, 1))):
         with pytest.raises(ValueError, match="out rows must not overlap"):
             _call(k, d, out=bad)
-    with pytest.raises(ValueError, match=r"q_len must be an int in \[1, 9\]"):
-        _call(k, d, q_len=np.float64(9.0))
+    for bad in (np.float64(9.0), torch.tensor(9)):  # (a tensor's value would cost a device synchronization)
+        with pytest.raises(ValueError, match=r"q_len must be an int in \[1, 9\]"):
+            _call(k, d, q_len=bad)
     assert k.module.calls == 1
 
 
