@@ -305,6 +305,17 @@ def _remove_rewrite_tmp(p: Path) -> None:
         p.unlink()
 
 
+def _remove_unless_held(p: Path) -> None:
+    """Delete lock file ``p`` (a build's, filelock's flock) only while holding it: one a running build holds stays
+    (OSError), since a later build would otherwise lock a new file of that name beside the running one."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError when held
+        p.unlink()
+    finally:
+        os.close(fd)
+
+
 def remove(planned: list[Path]) -> list[Path]:
     """Delete the paths of a :func:`plan` in order (directories only when empty, manifests only when every file they
     list is gone). Returns what went."""
@@ -316,6 +327,8 @@ def remove(planned: list[Path]) -> list[Path]:
                     continue
             elif _REWRITE_TMP.fullmatch(p.name):
                 _remove_rewrite_tmp(p)
+            elif p.name.endswith(".lock") and p.is_file() and not p.is_symlink():
+                _remove_unless_held(p)
             elif p.is_dir() and not p.is_symlink():
                 p.rmdir()  # empty by construction; a file added meanwhile keeps it (OSError below)
             else:

@@ -365,30 +365,37 @@ def _hold_first_lock(spec_path, seconds):
     key = load_spec(spec_path).variants()[0].build_key
     lock_path = paths.lock_dir() / f"{key}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
+    return key, lock_path, _hold_lock(lock_path, seconds)
+
+
+def _hold_lock(lock_path, seconds):
+    """Another process holding ``lock_path`` for ``seconds``, returned once the lock is held."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
                                "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); "
                                "time.sleep(float(sys.argv[2]))", str(lock_path), str(seconds)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    return key, lock_path, holder
+    return holder
 
 
-def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
+def _build_waits_for(spec_path, key, lock_path, holder):
+    """`mlagen build` while ``holder`` holds ``lock_path``: it says it waits, then builds, and leaves the lock free."""
     from filelock import FileLock
 
-    key, lock_path, holder = _hold_first_lock(fake_cuda, 1.5)
-    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
+    r = CliRunner().invoke(main, ["build", str(spec_path), "--compile-only"])
     holder.wait()
     assert r.exit_code == 0, r.output
     assert f"waiting for another build of {key} (lock {lock_path})" in r.output
     assert FileLock(str(lock_path)).acquire(timeout=0)
 
 
+def test_build_waiting_on_a_lock_says_so(fake_cuda, tmp_path):
+    _build_waits_for(fake_cuda, *_hold_first_lock(fake_cuda, 1.5))
+
+
 def test_builds_sharing_a_generated_directory_take_its_lock(fake_cuda, tmp_path, monkeypatch):
     """Two caches, one MLAGEN_GENERATED_DIR: a build waits on the module's lock in the generated directory (not only on
     its cache's), so two nvcc never write one module's outputs at once."""
-    from filelock import FileLock
-
     from mlagen.build import _generated_lock
     from mlagen.ninja_gen import variant_outputs
     from mlagen.spec import load_spec
@@ -396,16 +403,9 @@ def test_builds_sharing_a_generated_directory_take_its_lock(fake_cuda, tmp_path,
     v = load_spec(fake_cuda).variants()[0]
     lock_path = _generated_lock(variant_outputs(v))
     assert CliRunner().invoke(main, ["generate", str(fake_cuda)]).exit_code == 0  # (records the lock's name as mlagen's)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
-                               "l = FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(1.5)",
-                               str(lock_path)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = _hold_lock(lock_path, 1.5)
     monkeypatch.setenv("MLAGEN_CACHE_DIR", str(tmp_path / "other-cache"))  # another cache: its own cache locks
-    r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
-    holder.wait()
-    assert r.exit_code == 0, r.output
-    assert f"waiting for another build of {v.build_key} (lock {lock_path})" in r.output
-    assert FileLock(str(lock_path)).acquire(timeout=0)
+    _build_waits_for(fake_cuda, v.build_key, lock_path, holder)
 
 
 def test_sources_another_checkout_wrote_are_rewritten_under_the_lock(fake_cuda, tmp_path, monkeypatch):
@@ -1094,3 +1094,23 @@ def test_a_cache_reached_through_a_symlink_is_still_a_cache_hit(fake_cuda, tmp_p
         monkeypatch.setenv("MLAGEN_GENERATED_DIR", str(base / "generated"))
         r = CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"])
         assert r.exit_code == 0 and want in r.output, (base, r.output)
+
+
+def test_clean_leaves_a_lock_a_build_holds(fake_cuda, tmp_path):
+    """`mlagen clean` deletes a build's lock file only while no build holds it: a later build would otherwise lock a
+    new file of that name while the running one still compiles."""
+    from mlagen.build import _generated_lock
+    from mlagen.ninja_gen import variant_outputs
+    from mlagen.spec import load_spec
+
+    assert CliRunner().invoke(main, ["build", str(fake_cuda), "--compile-only"]).exit_code == 0
+    lock_path = _generated_lock(variant_outputs(load_spec(fake_cuda).variants()[0]))
+    holder = _hold_lock(lock_path, 30)
+    try:
+        r = CliRunner().invoke(main, ["clean", "--yes"])
+        assert r.exit_code == 0 and lock_path.exists(), r.output
+    finally:
+        holder.kill()
+        holder.wait()
+    r = CliRunner().invoke(main, ["clean", "--yes"])
+    assert r.exit_code == 0 and not lock_path.exists(), r.output
