@@ -183,14 +183,20 @@ def _registered(reg: Registry, job: _Job, spec_name: str) -> list[BuiltVariant] 
     out = []
     for v, row in zip(job.variants, rows):
         if not usable(row):
-            reg.put_variant(uri=v.uri, spec=spec_name, variant=v.to_dict(), bucket=v.bucket,
-                            source_hash=job.source_hash, nvcc_version=sib["nvcc_version"], archs=list(v.archs),
-                            so_path=sib["so_path"], build_seconds=sib["build_seconds"] or 0.0,
-                            resources=sib["resources"])
+            _put_variant(reg, spec_name, v, job.source_hash, sib["nvcc_version"], sib["so_path"],
+                         sib["build_seconds"] or 0.0, sib["resources"])
             row = sib
         out.append(BuiltVariant(v, Path(row["so_path"]), job.source_hash, row["build_seconds"] or 0.0,
                                 row["resources"], cached=True))
     return out
+
+
+def _put_variant(reg: Registry, spec_name: str, v: Variant, source_hash: str, nvcc_version: str, so_path: str,
+                 secs: float, resources: dict) -> None:
+    """Register variant ``v`` as built into the module at ``so_path`` (compiled, or an NSPLIT sibling's)."""
+    reg.put_variant(uri=v.uri, spec=spec_name, variant=v.to_dict(), bucket=v.bucket, source_hash=source_hash,
+                    nvcc_version=nvcc_version, archs=list(v.archs), so_path=so_path, build_seconds=secs,
+                    resources=resources)
 
 
 def _split_registered(reg: Registry, jobs: list[_Job], spec_name: str) -> tuple[list[BuiltVariant], list[_Job]]:
@@ -377,9 +383,7 @@ def _register(spec: Spec, j: _Job, secs: float, reg: Registry):
     reg.drop_stale_build(j.key, j.source_hash)  # nsplit siblings built from older sources
     built = []
     for v in j.variants:
-        reg.put_variant(uri=v.uri, spec=spec.name, variant=v.to_dict(), bucket=v.bucket,
-                        source_hash=j.source_hash, nvcc_version=ninja_gen.nvcc_version(), archs=list(v.archs),
-                        so_path=str(dest), build_seconds=secs, resources=resources)
+        _put_variant(reg, spec.name, v, j.source_hash, ninja_gen.nvcc_version(), str(dest), secs, resources)
         built.append(BuiltVariant(v, dest, j.source_hash, secs, resources, cached=False))
     return built, []
 

@@ -181,8 +181,12 @@ class _OneLineUsageError(click.ClickException):
 
 
 class _Group(click.Group):
-    """Maps environment failures (missing or old toolchain, unreadable cache, corrupt registry) to
+    """Maps environment failures (missing or old toolchain, unreadable cache, corrupt registry) and usage errors to
     one-line errors, for every subcommand."""
+
+    @staticmethod
+    def _one_line(e: click.UsageError, where: str) -> _OneLineUsageError:
+        return _OneLineUsageError(f"{e.format_message()} (see `{where} --help`)")
 
     def parse_args(self, ctx, args):
         try:
@@ -190,7 +194,7 @@ class _Group(click.Group):
         except click.UsageError as e:  # an option of `mlagen` itself: one line, as for the subcommands (invoke)
             if type(e).__name__ == "NoArgsIsHelpError":  # bare `mlagen` (click 8.2+): its help, as click prints it
                 raise
-            raise _OneLineUsageError(f"{e.format_message()} (see `{ctx.command_path} --help`)") from None
+            raise self._one_line(e, ctx.command_path) from None
 
     def invoke(self, ctx):
         import sqlite3
@@ -208,7 +212,7 @@ class _Group(click.Group):
                 where = e.ctx.command_path
             else:  # (e.g. "Option '-j' requires an argument": no context; the subcommand is the first argument)
                 where = f"{ctx.command_path} {first}" if first in self.commands else ctx.command_path
-            raise _OneLineUsageError(f"{e.format_message()} (see `{where} --help`)") from None
+            raise self._one_line(e, where) from None
         except BrokenPipeError:  # `mlagen list | head`: the reader is gone; stop quietly, like a SIGPIPE
             try:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -239,6 +243,28 @@ def main() -> None:
     """Generate, build, verify and benchmark specialized MLA verify-attention kernels."""
 
 
+def _feasible_selection(spec: Spec, spec_path: str, kernels: str | None) -> tuple[list, list]:
+    """(feasible, dropped) variants of ``spec`` matching ``kernels``, for `generate` and `build`: the toolchain checked
+    (one line if missing or old) and the dropped ones listed, both before anything is written.
+
+    Raises:
+        click.ClickException: no variant matches ``kernels``, or none of them is feasible.
+        ToolchainError: nvcc missing or too old for an arch of the feasible variants.
+    """
+    from mlagen.ninja_gen import check_nvcc
+
+    selected = filter_by_glob(spec.variants(), kernels)
+    if not selected:
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
+    ok, bad = feasibility.split_feasible(selected)
+    if ok:
+        check_nvcc([a for v in ok for a in v.archs])  # a missing / old toolchain: one line, before any listing
+    _print_infeasible(bad)
+    if not ok:
+        raise click.ClickException(f"no feasible variant in {spec_path} ({len(bad)} dropped, reasons above)")
+    return ok, bad
+
+
 @main.command()
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @_kernels_option
@@ -248,17 +274,7 @@ def generate(spec_path: str, kernels: str | None, max_variants: int | None) -> N
     from mlagen.build import generate as gen
 
     spec = _spec(spec_path, max_variants)
-    selected = filter_by_glob(spec.variants(), kernels)
-    if not selected:
-        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
-    ok, bad = feasibility.split_feasible(selected)
-    if ok:
-        from mlagen.ninja_gen import check_nvcc
-
-        check_nvcc([a for v in ok for a in v.archs])  # a missing / old toolchain: one line, before any listing
-    _print_infeasible(bad)
-    if not ok:
-        raise click.ClickException(f"no feasible variant in {spec_path} ({len(bad)} dropped, reasons above)")
+    ok, bad = _feasible_selection(spec, spec_path, kernels)
     jobs = gen(ok)
     for j in jobs:
         console.print(f"{j.outputs['source']}  ({len(j.variants)} variant(s): nsplit {', '.join(str(v.nsplit) for v in j.variants)})")
@@ -281,13 +297,7 @@ def build(ctx: click.Context, spec_path: str, kernels: str | None, jobs: int | N
     from mlagen.ninja_gen import default_jobs
 
     spec = _spec(spec_path, max_variants)
-    selected = filter_by_glob(spec.variants(), kernels)
-    if not selected:
-        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
-    feasible, infeasible = feasibility.split_feasible(selected)
-    _print_infeasible(infeasible)  # before the compile, as `generate` does
-    if not feasible:
-        raise click.ClickException(f"no feasible variant in {spec_path} ({len(infeasible)} dropped, reasons above)")
+    _feasible_selection(spec, spec_path, kernels)  # (the dropped variants listed before the compile)
     jobs = jobs or default_jobs()
     try:
         with _BuildProgress(jobs) as prog:
