@@ -28,6 +28,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_batch.cuh"
@@ -295,11 +296,18 @@ __device__ __forceinline__ int32_t producer_page_entry(const MlaVerifyParams& p,
 // Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
 // early (optional): the entries of the split's first two tiles, already requested by the caller
 // (producer_page_entry of tiles tile_begin and tile_begin + 1, 0 past num_tiles); nullptr: the producer requests them.
-template <class Cfg>
+// before_refill (optional): called as before_refill(i - kStages) ahead of tile i's wait on its stage (i >= kStages),
+// for a producer warp that also reads the ring (dimsplit_t with MLAGEN_DST_PRODUCER_PV: its P V step of the tile
+// that stage held, whose release that wait needs); the caller runs the split's last kStages steps after the return.
+struct NoRefillHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <class Cfg, class BeforeRefill = NoRefillHook>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
                                                       int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
-                                                      uint64_t* empty_bar, const int32_t* early = nullptr) {
+                                                      uint64_t* empty_bar, const int32_t* early = nullptr,
+                                                      BeforeRefill before_refill = BeforeRefill{}) {
   static_assert(!Cfg::kZeroFillTail || !Cfg::kBulkLoad, "the zero-filled tail is a cp.async-producer feature");
   // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
   const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
@@ -350,6 +358,9 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
       } else {
         page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
       }
+    }
+    if constexpr (!std::is_same<std::decay_t<BeforeRefill>, NoRefillHook>::value) {
+      if (i >= Cfg::kStages) before_refill(i - Cfg::kStages);
     }
     if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
     const int64_t slot = addr_of(tile, page_next);
