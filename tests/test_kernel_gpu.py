@@ -460,15 +460,23 @@ def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     lse are bit-identical to the dim-order build's, finite where a key is visible, and the paired build passes the
     verify cases against the reference (the full set, with 128k and a pool past 4 GiB, for the shipped H8 tile; the
     quick set for the others)."""
+    dim_order, paired = paired_kernels[i]
+    _assert_same_outputs(dim_order, paired)
+    _check(paired, quick=i > 0)
+
+
+def _assert_same_outputs(base, diag):
+    """``base`` and ``diag`` (two builds of one variant) give bit-identical out and lse on fresh random inputs: NaN in
+    every slot no request reads, a padded request of kv_len 0, 65,536 keys in one request (nsplit auto), each build's
+    workspace poisoned before its launch; out / lse finite where a key is visible, 0 / -inf where none is."""
     from mlagen.cases import make_fp8_problem, make_problem
 
-    dim_order, paired = paired_kernels[i]
-    v = paired.variant
+    v = diag.variant
     lens = [9, 40, 4099, 0, 65536] if v.nsplit == "auto" else [9, 40, 4099, 0]
     p = (make_fp8_problem(v, lens, special=True, device="cuda") if v.dtype == "fp8_e4m3"
          else make_problem(v, lens, device="cuda"))
     outs = []
-    for k in (dim_order, paired):
+    for k in (base, diag):
         ws = k.alloc_workspace(len(lens), "cuda")
         ws[16:].view(torch.int32).fill_(-1)  # partials poisoned (NaN as fp32 or bf16): only this launch's are read
         out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -480,7 +488,41 @@ def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     assert torch.isfinite(outs[1][0][live].float()).all() and torch.isfinite(outs[1][1][live]).all()
     assert (outs[1][0][~live] == 0).all() and torch.isneginf(outs[1][1][~live]).all()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    _check(paired, quick=i > 0)
+
+
+# dimsplit_t tiles of 3 score warps built with the producer warp as a fifth P V role (MLAGEN_DST_PRODUCER_PV 1) and
+# without: H8 q9 tree (st4, the shipped tile, also with MLAGEN_DST_EARLY_PAGES 1; page size 64 st3, whose producer
+# prefetches into L2), H16 two clusters, H64 q2 no mask at 2 stages (the producer's P V step of tile i - 2 before the
+# copies of tile i), H8 q5 causal
+PRODUCER_PV_JOBS = [
+    ("mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90", ()),
+    ("mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+     (("MLAGEN_DST_EARLY_PAGES", 1),)),
+    ("mla_verify_h8_q9_kv512_rope64_ps64_ns7_lw128_bn32_w8_rt3_st3_dimsplit_t_tree_bf16_sm120_sm90", ()),
+    ("mla_verify_h16_q9_kv512_rope64_ps64_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90", ()),
+    ("mla_verify_h64_q2_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_none_bf16_sm120_sm90", ()),
+    ("mla_verify_h8_q5_kv512_rope64_ps16_ns8_lw128_bn32_w8_rt3_st4_dimsplit_t_causal_bf16_sm120_sm90", ()),
+]
+
+
+@pytest.fixture(scope="module")
+def producer_pv_kernels(tmp_path_factory):
+    """Per PRODUCER_PV_JOBS entry, (build without, build with MLAGEN_DST_PRODUCER_PV 1) for this GPU's arch (outside
+    the registry), compiled in parallel."""
+    jobs = [(uri, defines + (("MLAGEN_DST_PRODUCER_PV", pv),)) for uri, defines in PRODUCER_PV_JOBS for pv in (0, 1)]
+    built = _build_with_defines(jobs, tmp_path_factory.mktemp("producer_pv"))
+    return [(built[2 * i], built[2 * i + 1]) for i in range(len(PRODUCER_PV_JOBS))]
+
+
+@pytest.mark.parametrize("i", range(len(PRODUCER_PV_JOBS)))
+def test_dimsplit_t_producer_pv_equals_shipped(producer_pv_kernels, i):
+    """With MLAGEN_DST_PRODUCER_PV (include/mlagen/mla_verify_dimsplit_t.cuh) the producer warp runs the P V MMAs of
+    the CTA's last 3 output m16 tiles between its copies and the output warps take 4 / 3 / 3 / 3: each output dim is
+    the same sum in the same order, in another warp, so out and lse are bit-identical to the build without it; the
+    diagnostic build then passes the verify cases against the reference (the full set for the shipped H8 tile)."""
+    base, diag = producer_pv_kernels[i]
+    _assert_same_outputs(base, diag)
+    _check(diag, quick=i > 0)
 
 
 def test_bad_tensor_raises_before_launch(kernels):

@@ -1079,11 +1079,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   }
   __syncwarp();
 #if MLAGEN_DST_TRACE
-  if (lane == 0 && blockIdx.x < 2 && warp != Cfg::kProducerWarp) {
+  if (lane == 0 && blockIdx.x < 2 && (warp != Cfg::kProducerWarp || Cfg::kProducerPV)) {  // (PRODUCER_PV: a P V role)
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
     printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu\n",
-           static_cast<int>(blockIdx.x), warp, warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
+           static_cast<int>(blockIdx.x), warp,
+           warp < Cfg::kScoreWarps ? "score" : warp == Cfg::kProducerWarp ? "producer" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
            static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
            w[0], w[1], w[2], w[3]);
