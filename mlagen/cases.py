@@ -76,7 +76,7 @@ def _to_i64(bits: int) -> int:
 
 def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, device="cuda", seed: int | None = None,
                  name: str = "random", pool_slots: int | None = None, min_slot: int = 0, poison_pool: bool = True,
-                 kv3d: bool = False, remap_rows: bool = False) -> Problem:
+                 kv3d: bool = False, remap_rows: bool = False, kv_ramp: float = 0.0) -> Problem:
     """A random problem for variant ``v``: bf16 q and KV rows N(0, 1), one request per entry of ``kv_lens``
     (draft tokens included; 0 = a padded row, which still gets a page), a random tree for tree variants.
 
@@ -98,6 +98,8 @@ def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, de
         kv3d: kv_cache as a [num_slots, 1, D] view (SGLang's MLA pool shape) instead of [num_slots, D].
         remap_rows: block_table gets bs + 2 rows, each request a random one of them, and ``req_pool_indices``
             (int64 [bs]) says which.
+        kv_ramp: the KV row at position pos of a request of L tokens is scaled by 1 + kv_ramp * pos / L, so the
+            scores, and each row's running max, grow along the context (0: i.i.d. rows).
     Returns:
         A :class:`Problem`; block_table int32 [rows, max pages + 1], entries no request uses -1.
     """
@@ -128,7 +130,10 @@ def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, de
             continue
         pos = torch.arange(L)
         slots = table[row_of[b], pos // P].long() * P + pos % P
-        kv[slots.to(device)] = torch.randn(L, D, generator=dgen, device=device).to(torch.bfloat16)
+        rows = torch.randn(L, D, generator=dgen, device=device)
+        if kv_ramp:
+            rows *= 1.0 + kv_ramp * torch.arange(L, device=device, dtype=torch.float32).unsqueeze(1) / L
+        kv[slots.to(device)] = rows.to(torch.bfloat16)
     q = torch.randn(bs * q_len, v.heads, D, generator=dgen, device=device).to(torch.bfloat16)
     tree = None
     if v.mask == "tree":
@@ -162,6 +167,8 @@ def verify_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bo
     yield make_problem(v, [0, Q + 500, 0], device=device, name="padded rows kv_len 0")
     yield make_problem(v, [Q + 300, Q + 20], device=device, remap_rows=True, kv3d=True,
                        name="req_pool_indices remap, [slots,1,576] cache")
+    # scores up to 5x larger at the end of the context: the running max keeps growing, by more than any rescale slack
+    yield make_problem(v, [Q + 6000, Q + 700], device=device, kv_ramp=4.0, name="rising scores along the context")
     for ql in sorted({1, max(1, Q // 2), Q}):
         if ql < Q:
             yield make_problem(v, [ql + 700, ql + 9], q_len=ql, device=device, name=f"runtime q_len {ql} < {Q}")

@@ -525,6 +525,44 @@ def test_dimsplit_t_producer_pv_equals_shipped(producer_pv_kernels, i):
     _check(diag, quick=i > 0)
 
 
+# dimsplit_t tiles built with a rescale slack of 8 (MLAGEN_DST_RESCALE_SLACK): H8 q9 tree st4 (the shipped tile), q_len 1
+# causal st4, H64 q2 no mask st2, e4m3 st2
+SLACK_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+              "mla_verify_h8_q1_kv512_rope64_ps1_nsauto_lw128_bn32_w6_rt1_st4_dimsplit_t_causal_bf16_sm120_sm90",
+              "mla_verify_h64_q2_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_none_bf16_sm120_sm90",
+              "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_tree_fp8e4m3_sm120_sm90"]
+
+
+@pytest.fixture(scope="module")
+def slack_kernels(tmp_path_factory):
+    """The SLACK_URIS built with MLAGEN_DST_RESCALE_SLACK 8 for this GPU's arch (outside the registry), in parallel."""
+    jobs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 8),)) for uri in SLACK_URIS]
+    return _build_with_defines(jobs, tmp_path_factory.mktemp("slack"))
+
+
+@pytest.mark.parametrize("i", range(len(SLACK_URIS)))
+def test_dimsplit_t_rescale_slack_matches_reference(slack_kernels, i):
+    """With a rescale slack (MLAGEN_DST_RESCALE_SLACK 8: a row's running max moves only when a step's max exceeds it by
+    more than 8 in log2 units, so P reaches 256) the kernel computes the same softmax: it passes the verify cases (the
+    full set for the shipped H8 tile; the quick set, with the rising-scores case whose max outgrows the slack, for the
+    others), and on a longer rising-scores batch (20k tokens: many steps per split) its out and lse stay within the
+    verify tolerance of the reference."""
+    from mlagen.cases import make_problem
+    from mlagen.verify import compare
+
+    k = slack_kernels[i]
+    _check(k, quick=i > 0)
+    v = k.variant
+    if v.dtype == "bf16":
+        p = make_problem(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising")
+        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        torch.cuda.synchronize()
+        r = compare(p, out, lse)
+        assert r.passed, r.detail
+
+
 def test_bad_tensor_raises_before_launch(kernels):
     from mlagen.cases import make_problem
 

@@ -160,6 +160,17 @@
 #define MLAGEN_DST_PRODUCER_PV 0
 #endif
 
+// MLAGEN_DST_RESCALE_SLACK 0 (every shipped build): a row's running max follows every new maximum, so the output
+// warps rescale O^T (144 FMULs per thread) in every step where some row's max grew: with i.i.d. scores that is most
+// steps of a split (a row sets a new record in tile t with probability ~1/t; 72 rows). N > 0: the running max moves only
+// when the step's max exceeds it by more than N (log2 units), as FlashAttention-4 does (Modal, "We reverse-engineered
+// Flash Attention 4", 2025): P = 2^(s scale_log2 - m) is then up to 2^N, l and O^T share that reference, so the result
+// is the same softmax up to bf16 rounding of P, and the output warps skip the rescale in the other steps (perf-notes
+// v33b), for A/B timing.
+#ifndef MLAGEN_DST_RESCALE_SLACK
+#define MLAGEN_DST_RESCALE_SLACK 0
+#endif
+
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -391,7 +402,13 @@ __device__ __forceinline__ void dimsplit_t_softmax_row(float (&s)[kM][kN][4], in
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+#if MLAGEN_DST_RESCALE_SLACK > 0
+  static_assert(MLAGEN_DST_RESCALE_SLACK <= 16, "MLAGEN_DST_RESCALE_SLACK: P up to 2^N in bf16 and fp32 sums");
+  const float mx_s = mx * scale_log2;  // (m_run -inf: any finite max is taken; a NaN never is)
+  const float m_new = mx_s > m_run + static_cast<float>(MLAGEN_DST_RESCALE_SLACK) ? mx_s : m_run;
+#else
   const float m_new = fmaxf(m_run, mx * scale_log2);
+#endif
   const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
   alpha = ptx::ex2_approx_ftz(m_run - m_use);
   m_run = m_new;
