@@ -214,7 +214,7 @@ def referenced_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, page_size
 def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[float, float] = 1.0,
                      special: bool = False, q_len: int | None = None, device="cuda", seed: int | None = None,
                      name: str = "fp8 random", remap_rows: bool = False, kv3d: bool = False, as_bytes: bool = False,
-                     pool_slots: int | None = None, min_slot: int = 0) -> Problem:
+                     pool_slots: int | None = None, min_slot: int = 0, kv_ramp: float = 0.0) -> Problem:
     """A random problem for ``v``'s shape with an fp8 e4m3 KV cache (:func:`fp8_cases`, so :func:`verify_cases` of
     dtype fp8_e4m3 variants).
 
@@ -228,6 +228,7 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
     special: also write, into visible rows of every non-empty request, e4m3's extremes: one row with
     +-448 (bytes 0x7e / 0xfe) in 8 random dims, one row with 64 random dims subnormal (bytes 0x01-0x07
     with random sign, 2^-9 .. 7 x 2^-9), and 16 dims of one row +-0 (0x00 / 0x80).
+    kv_ramp: as :func:`make_problem`'s (each visible row scaled by 1 + kv_ramp * pos / L before quantizing).
     Other arguments as :func:`make_problem`.
     Returns:
         Problem whose kv_cache is float8_e4m3fn (uint8 with ``as_bytes``) [num_slots, 576], or
@@ -244,7 +245,17 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
     num_slots, D = base.kv_cache.shape
     used = referenced_slots(base.block_table, base.kv_lens, base.page_size, base.req_pool_indices)
     kv = torch.tensor(E4M3_NAN_BYTES, dtype=torch.uint8)[torch.randint(0, 2, (num_slots, D), generator=gen)]
-    kv[used] = quantize_e4m3(torch.randn(int(used.numel()), D, generator=gen), k_scale)
+    vals = torch.randn(int(used.numel()), D, generator=gen)
+    if kv_ramp:
+        factor = torch.ones(num_slots)
+        rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
+        for b, L in enumerate(kv_lens):
+            if L > 0:
+                pos = torch.arange(L)
+                slots = base.block_table[rows_of[b], pos // base.page_size].to(torch.int64) * base.page_size
+                factor[slots + pos % base.page_size] = 1.0 + kv_ramp * pos.float() / L
+        vals *= factor[used].unsqueeze(1)
+    kv[used] = quantize_e4m3(vals, k_scale)
     if special:
         rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
         table = base.block_table.to(torch.int64)
@@ -279,7 +290,8 @@ def fp8_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bool 
     """Yield the fp8 KV case set for ``v``'s shape (fresh random data each call; :func:`verify_cases` of
     dtype fp8_e4m3 variants): descales 1, 0.37, 3.1 and a (0.37, 3.1) pair, e4m3's extremes (+-448,
     subnormals, +-0), NaN-byte stale slots of ragged pages, padded rows, remapped rows in a
-    [slots, 1, 576] uint8 pool, runtime q_len below the maximum, kv_len == q_len; ``quick`` skips the
+    [slots, 1, 576] uint8 pool, runtime q_len below the maximum, kv_len == q_len, scores rising along the context
+    (the running max keeps growing); ``quick`` skips the
     128k case and the pool past 4 GiB (``big_pool`` False skips only the latter)."""
     Q, P = v.q_len, v.page_size
     yield make_fp8_problem(v, [Q + 1000, Q + 37, Q + 4096 + 5], device=device, name="fp8 random mixed lengths, scale 1")
@@ -298,6 +310,7 @@ def fp8_cases(v: Variant, device="cuda", *, quick: bool = False, big_pool: bool 
         ql = max(1, Q // 2)
         yield make_fp8_problem(v, [ql + 700, ql + 9], q_len=ql, device=device, name=f"fp8 runtime q_len {ql} < {Q}")
     yield make_fp8_problem(v, [max(1, Q)], device=device, name="fp8 kv_len == q_len (no prefix)")
+    yield make_fp8_problem(v, [Q + 6000, Q + 700], device=device, kv_ramp=4.0, name="fp8 rising scores along the context")
     if not quick:
         yield make_fp8_problem(v, [Q + 131072 + 77, Q + 5, Q + 2000], kv_scale=0.37, device=device,
                                name="fp8 mixed 128k / tiny / 2k")

@@ -465,14 +465,34 @@ def test_dimsplit_t_paired_partials_equal_dim_order(paired_kernels, i):
     _check(paired, quick=i > 0)
 
 
-def _assert_same_outputs(base, diag):
+def _wait_or_fail(what, seconds=120.0):
+    """Wait for the work queued so far on the current stream; fail the test, naming ``what``, when it has not finished
+    after ``seconds`` (a kernel that deadlocks on its barriers would otherwise hang the run instead of failing it)."""
+    import time
+
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not finished after {seconds:.0f} s (a barrier deadlock?)")
+        time.sleep(0.01)
+
+
+def _assert_same_outputs(base, diag, split_tiles=()):
     """``base`` and ``diag`` (two builds of one variant) give bit-identical out and lse on fresh random inputs: NaN in
     every slot no request reads, a padded request of kv_len 0, 65,536 keys in one request (nsplit auto), each build's
-    workspace poisoned before its launch; out / lse finite where a key is visible, 0 / -inf where none is."""
+    workspace poisoned before its launch; out / lse finite where a key is visible, 0 / -inf where none is. For each
+    n of ``split_tiles`` one more request whose every split reads exactly n KV tiles. A launch that does not finish
+    within 120 s fails the test."""
     from mlagen.cases import make_fp8_problem, make_problem
 
     v = diag.variant
     lens = [9, 40, 4099, 0, 65536] if v.nsplit == "auto" else [9, 40, 4099, 0]
+    if split_tiles:
+        ns = diag.num_splits(len(lens) + len(split_tiles))
+        assert all(n >= diag.min_tiles_per_split() for n in split_tiles)
+        lens += [ns * n * v.block_n for n in split_tiles]
     p = (make_fp8_problem(v, lens, special=True, device="cuda") if v.dtype == "fp8_e4m3"
          else make_problem(v, lens, device="cuda"))
     outs = []
@@ -482,6 +502,7 @@ def _assert_same_outputs(base, diag):
         out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
         k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+        _wait_or_fail(k.variant.uri)
         outs.append((out, lse))
     torch.cuda.synchronize()
     live = torch.repeat_interleave(torch.tensor([L > 0 for L in lens], device="cuda"), v.q_len)
@@ -518,10 +539,13 @@ def producer_pv_kernels(tmp_path_factory):
 def test_dimsplit_t_producer_pv_equals_shipped(producer_pv_kernels, i):
     """With MLAGEN_DST_PRODUCER_PV (include/mlagen/mla_verify_dimsplit_t.cuh) the producer warp runs the P V MMAs of
     the CTA's last 3 output m16 tiles between its copies and the output warps take 4 / 3 / 3 / 3: each output dim is
-    the same sum in the same order, in another warp, so out and lse are bit-identical to the build without it; the
-    diagnostic build then passes the verify cases against the reference (the full set for the shipped H8 tile)."""
+    the same sum in the same order, in another warp, so out and lse are bit-identical to the build without it, also for
+    splits of exactly kStages and kStages + 1 tiles (where the producer's first P V step and its last steps after the
+    copies begin); the diagnostic build then passes the verify cases against the reference (the full set for the
+    shipped H8 tile)."""
     base, diag = producer_pv_kernels[i]
-    _assert_same_outputs(base, diag)
+    stages = diag.variant.stages
+    _assert_same_outputs(base, diag, split_tiles=[n for n in (stages, stages + 1) if n >= diag.min_tiles_per_split()])
     _check(diag, quick=i > 0)
 
 
@@ -535,32 +559,38 @@ SLACK_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_di
 
 @pytest.fixture(scope="module")
 def slack_kernels(tmp_path_factory):
-    """The SLACK_URIS built with MLAGEN_DST_RESCALE_SLACK 8 for this GPU's arch (outside the registry), in parallel."""
-    jobs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 8),)) for uri in SLACK_URIS]
-    return _build_with_defines(jobs, tmp_path_factory.mktemp("slack"))
+    """Per SLACK_URIS entry, (build without a slack, build with MLAGEN_DST_RESCALE_SLACK 8) for this GPU's arch
+    (outside the registry), compiled in parallel."""
+    jobs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", slack),)) for uri in SLACK_URIS for slack in (0, 8)]
+    built = _build_with_defines(jobs, tmp_path_factory.mktemp("slack"))
+    return [(built[2 * i], built[2 * i + 1]) for i in range(len(SLACK_URIS))]
 
 
 @pytest.mark.parametrize("i", range(len(SLACK_URIS)))
 def test_dimsplit_t_rescale_slack_matches_reference(slack_kernels, i):
     """With a rescale slack (MLAGEN_DST_RESCALE_SLACK 8: a row's running max moves only when a step's max exceeds it by
     more than 8 in log2 units, so P reaches 256) the kernel computes the same softmax: it passes the verify cases (the
-    full set for the shipped H8 tile; the quick set, with the rising-scores case whose max outgrows the slack, for the
-    others), and on a longer rising-scores batch (20k tokens: many steps per split) its out and lse stay within the
-    verify tolerance of the reference."""
-    from mlagen.cases import make_problem
+    full set for the shipped H8 tile, the quick set for the others; both hold a rising-scores case whose max outgrows
+    the slack). On a longer rising-scores batch (20k tokens: many steps per split) both builds are within the verify
+    tolerance of the reference and their outputs differ (P is rounded at another scale), so the slack took effect."""
+    from mlagen.cases import make_fp8_problem, make_problem
     from mlagen.verify import compare
 
-    k = slack_kernels[i]
+    base, k = slack_kernels[i]
     _check(k, quick=i > 0)
     v = k.variant
-    if v.dtype == "bf16":
-        p = make_problem(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising")
+    make = make_fp8_problem if v.dtype == "fp8_e4m3" else make_problem
+    p = make(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising scores, 20k")
+    outs = []
+    for kern in (base, k):
         out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
-        torch.cuda.synchronize()
-        r = compare(p, out, lse)
-        assert r.passed, r.detail
+        kern(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        _wait_or_fail(kern.variant.uri)
+        r = compare(p, out, lse, v.dtype, v.kv_lora_rank)  # (kv_scale 1: no descale)
+        assert r.passed, f"{kern.variant.uri}: {r.detail}"
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1]), "the slack build's output equals the build without it"
 
 
 def test_bad_tensor_raises_before_launch(kernels):
