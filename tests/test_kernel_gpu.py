@@ -593,6 +593,36 @@ def test_dimsplit_t_rescale_slack_matches_reference(slack_kernels, i):
     assert not torch.equal(outs[0], outs[1]), "the slack build's output equals the build without it"
 
 
+@pytest.fixture(scope="module")
+def flag_kernels(tmp_path_factory):
+    """The first two SLACK_URIS (3 score warps and 1) built with MLAGEN_DST_RESCALE_SLACK 8 and MLAGEN_DST_RESCALE_FLAG 1
+    for this GPU's arch (outside the registry), in parallel."""
+    jobs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 8), ("MLAGEN_DST_RESCALE_FLAG", 1))) for uri in SLACK_URIS[:2]]
+    return _build_with_defines(jobs, tmp_path_factory.mktemp("flag"))
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_dimsplit_t_rescale_flag_equals_factor_test(slack_kernels, flag_kernels, i):
+    """With MLAGEN_DST_RESCALE_FLAG the output warps decide whether to rescale O^T from one flag per score warp instead
+    of testing every row's factor; a factor of exactly 1 leaves O^T as it is, so out and lse are bit-identical to the
+    slack build without the flags: on i.i.d. scores (the rescale almost never runs) and on rising scores (it runs in
+    many steps)."""
+    from mlagen.cases import make_problem
+
+    base, diag = slack_kernels[i][1], flag_kernels[i]
+    _assert_same_outputs(base, diag)
+    v = diag.variant
+    p = make_problem(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising scores, 20k")
+    outs = []
+    for k in (base, diag):
+        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+        _wait_or_fail(k.variant.uri)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_bad_tensor_raises_before_launch(kernels):
     from mlagen.cases import make_problem
 

@@ -171,6 +171,14 @@
 #define MLAGEN_DST_RESCALE_SLACK 0
 #endif
 
+// MLAGEN_DST_RESCALE_FLAG 0 (every shipped build): the output warps load every row's rescale factor of a step (9 LDS.64
+// at 72 rows) and test each against 1 (~50 SASS instructions per step) to decide whether to rescale O^T; 1: each score
+// warp also publishes one flag per P^T buffer (some factor of its rows differs from 1, a warp vote), the output warps
+// read the flags and load the factors only when one is set (perf-notes v33c), for A/B timing. Bit-identical outputs.
+#ifndef MLAGEN_DST_RESCALE_FLAG
+#define MLAGEN_DST_RESCALE_FLAG 0
+#endif
+
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -341,8 +349,11 @@ struct MlaDimSplitTConfig {
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
   static constexpr int kNumBars = dimsplit_t_num_bars(kXBufs, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars);
   static constexpr int kSmemBars = kNumBars * 8;
-  static constexpr int kSmemBytes =
+  // MLAGEN_DST_RESCALE_FLAG: [kPBufs][4] int flags (one per score warp) after everything else, 16-byte aligned
+  static constexpr int kSmemBeforeFlags =
       kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars + kSmemFp8;
+  static constexpr int kFlagOffset = (kSmemBeforeFlags + 15) / 16 * 16;
+  static constexpr int kSmemBytes = MLAGEN_DST_RESCALE_FLAG ? kFlagOffset + kPBufs * 16 : kSmemBeforeFlags;
 
   // The partials' element type (mla_verify_partial_store.cuh, perf-notes v22): bf16 in shipped builds.
   static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL_BF16 != 0;
@@ -457,6 +468,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   uint64_t* tree_bar = xempty_bar + Cfg::kXEmptyBars;  // kTreeRowsSmem: tree_smem holds the request's rows
   uint64_t* full8_bar = tree_bar + (Cfg::kTreeRowsSmem ? 1 : 0);  // fp8 [kStages]: the producer's copies landed
   uint64_t* empty8_bar = full8_bar + (Cfg::kKvFp8 ? Cfg::kStages : 0);  // fp8 [kStages]: the output warps read it
+#if MLAGEN_DST_RESCALE_FLAG
+  int* flag_smem = reinterpret_cast<int*>(smem_raw + Cfg::kFlagOffset);  // [kPBufs][4]: a score warp's factors moved
+#endif
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -740,6 +754,17 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
     };
+#if MLAGEN_DST_RESCALE_FLAG
+    // Before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp vote), as its flag
+    // of P buffer j % kPBufs (lane 0's store, ordered before its pfull arrival).
+    auto publish_flag = [&](int j, const float (&alpha)[Cfg::kNTilesS][2]) {
+      bool moved = false;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) moved = moved || alpha[nt][0] != 1.f || alpha[nt][1] != 1.f;
+      moved = __any_sync(0xffffffffu, moved);
+      if (lane == 0) flag_smem[(j % Cfg::kPBufs) * 4 + sw] = moved ? 1 : 0;
+    };
+#endif
 
     // Software pipeline, per sub-tile j: the first kHalfK of the next sub-tile's K steps (j + 1), then S of j
     // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the rest of
@@ -778,6 +803,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         softmax_row(s_cur, nt, 1, alpha[nt][1]);
         write_p(j, s_cur, nt, alpha[nt]);
       }
+#if MLAGEN_DST_RESCALE_FLAG
+      publish_flag(j, alpha);
+#endif
       publish_p(j);
     };
     auto advance_scores = [&]() {
@@ -816,6 +844,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
       }
       join_chains(s_next, s_odd);
+#if MLAGEN_DST_RESCALE_FLAG
+      publish_flag(j, alpha);
+#endif
       publish_p(j);
       send_scores(j + 1, s_next);
       advance_scores();
@@ -978,6 +1009,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       traced(kTraceP, [&] { ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u); });
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
       float2 alpha[Cfg::kRowNTiles];
+#if MLAGEN_DST_RESCALE_FLAG
+      const int4 moved = *reinterpret_cast<const int4*>(flag_smem + buf * 4);  // the score warps' flags of step j
+      if ((moved.x | (Cfg::kScoreWarps > 1 ? moved.y : 0) | (Cfg::kScoreWarps > 2 ? moved.z : 0)) != 0) {
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+#else
       bool unit = true;
 #pragma unroll
       for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
@@ -985,6 +1022,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
       }
       if (!__all_sync(0xffffffffu, unit)) {  // some row max moved
+#endif
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
