@@ -172,7 +172,7 @@
 #endif
 
 // MLAGEN_DST_RESCALE_FLAG 0 (every shipped build): the output warps load every row's rescale factor of a step (9 LDS.64
-// at 72 rows) and test each against 1 (~50 SASS instructions per step) to decide whether to rescale O^T; 1: each score
+// at 72 rows) and test each against 1 (~45 SASS instructions per step) to decide whether to rescale O^T; 1: each score
 // warp also publishes one flag per P^T buffer (some factor of its rows differs from 1, a warp vote), the output warps
 // read the flags and load the factors only when one is set (perf-notes v33c), for A/B timing. Bit-identical outputs.
 #ifndef MLAGEN_DST_RESCALE_FLAG
@@ -1013,7 +1013,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       const int4 moved = *reinterpret_cast<const int4*>(flag_smem + buf * 4);  // the score warps' flags of step j
       if ((moved.x | (Cfg::kScoreWarps > 1 ? moved.y : 0) | (Cfg::kScoreWarps > 2 ? moved.z : 0)) != 0) {
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+        for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
+          alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+        }
 #else
       bool unit = true;
 #pragma unroll
