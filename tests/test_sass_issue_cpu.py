@@ -98,3 +98,26 @@ def test_real_variant_has_the_score_and_output_loops():
     rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| 0x")]
     hmma = sorted(int(c[2]) for c in rows)
     assert 72 in hmma and 108 in hmma, r.stdout
+
+
+def test_skipped_blocks_are_forward_predicated_branches_over_enough_instructions():
+    """A predicated forward branch over a block of m instructions is listed when m >= min_len; an unpredicated one,
+    a backward one, a short one and one whose target lies outside the iteration are not; the path past the block
+    counts the iteration without it."""
+    rng = random.Random()
+    m, short = rng.randint(20, 40), rng.randint(2, 5)
+    head = [("LDS.128 R4, [R2]", 1), ("LOP3.LUT P0, RZ, R4, R5, R6, 0xfe, !PT", 13)]
+    k_branch = len(head)
+    target = k_branch + 1 + m
+    body = head + [(f"@!P0 BRA {16 * target:#x}", 5)] + [("FMUL R8, R8, R9", 1)] * m
+    k_short = len(body)
+    body += [(f"@P1 BRA {16 * (k_short + 1 + short):#x}", 5)] + [("FADD R1, R1, R2", 1)] * short
+    body += [(f"BRA {16 * (len(body) + 1 + m):#x}", 5)] + [("FMUL R8, R8, R9", 1)] * m  # unpredicated
+    body += [("@P2 BRA 0x99990", 5)]  # target outside the function body
+    body += [("HMMA.16816.F32.BF16 R4, R8, R12, R4", 6)] * 3 + [("@P3 BRA 0x0", 5)]  # the loop's back branch
+    ins = sass_issue.parse_sass(_function("k_partial_kernel", body), "partial_kernel")
+    assert sass_issue.skipped_blocks(ins, m) == [(k_branch, target)]
+    assert sass_issue.skipped_blocks(ins, short) == [(k_branch, target), (k_short, k_short + 1 + short)]
+    assert sass_issue.skipped_blocks(ins, m + 1) == []
+    past = ins[:k_branch + 1] + ins[target:]
+    assert len(past) == len(ins) - m and not any(x["op"] == "FMUL" for x in past[:k_branch + 1])

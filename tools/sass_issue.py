@@ -2,7 +2,7 @@
 iteration before any other warp or memory gets in the way.
 
     python3 tools/sass_issue.py URI [--arch sm_90|sm_120] [--define NAME=VALUE ...] [--min-hmma 20] [--sass FILE]
-        [--cuobjdump PATH]
+        [--cuobjdump PATH] [--skip-blocks N]
 
 Builds the variant for one arch as tools/device_ab_define.py builds a diagnostic module (``#define`` lines ahead
 of the rendered source; under $MLAGEN_ABLATE_DIR, cached by build key), disassembles it with cuobjdump, finds
@@ -18,6 +18,9 @@ instructions, and prints per loop:
   variable-latency instruction (LDSM, LDS, SHFL, MUFU, ...) releases LATENCY cycles after it issues (assumed
   latencies below, not measured); barrier waits succeed at once, and a branch inside the loop is taken as not taken;
 - the shared-memory bytes its ldmatrix instructions read per iteration (x4: 512 B, x2: 256 B per warp);
+- with --skip-blocks N, for each forward conditional branch in the loop that jumps over at least N instructions
+  (e.g. the dimsplit_t output warps' O^T rescale, 144 FMULs, which runs only when a row max moved), the same counts
+  for the iteration that takes the branch: the path a step runs when the block is skipped;
 
 and then the code outside those loops (what a warp runs once per call: prologue, epilogue, untaken paths): its
 instructions, subroutine calls (slow paths), branch-sync regions, global stores and loads. That code is fetched cold
@@ -115,6 +118,21 @@ def loops(ins: list[dict], min_hmma: int) -> list[tuple[int, int]]:
     return sorted(kept)
 
 
+def skipped_blocks(body: list[dict], min_len: int) -> list[tuple[int, int]]:
+    """(branch, target) indices in ``body`` (one loop iteration) of each predicated forward branch whose target lies in
+    ``body`` at least ``min_len`` instructions past the branch: the blocks an iteration can skip."""
+    index = {x["addr"]: k for k, x in enumerate(body)}
+    out = []
+    for k, x in enumerate(body):
+        if not (x["op"].startswith("BRA") and x["text"].startswith("@")):
+            continue
+        m = re.search(r"0x([0-9a-f]+)\s*$", x["text"])
+        target = index.get(int(m.group(1), 16)) if m else None
+        if target is not None and target - k - 1 >= min_len:
+            out.append((k, target))
+    return out
+
+
 def _latency(op: str) -> int:
     for k, v in LATENCY.items():
         if op.startswith(k):
@@ -196,6 +214,8 @@ def main() -> int:
                     help="regex: which kernel of the module (first match)")
     ap.add_argument("--sass", metavar="FILE", help="also write the whole disassembly here")
     ap.add_argument("--cuobjdump", metavar="PATH", help="the cuobjdump to use (default: next to nvcc, else on PATH)")
+    ap.add_argument("--skip-blocks", type=int, default=0, metavar="N",
+                    help="also count each loop's path past every conditional block of at least N instructions")
     a = ap.parse_args()
     cuobjdump = cuobjdump_path(a.cuobjdump)
     try:
@@ -229,11 +249,17 @@ def main() -> int:
           "| scoreboard model (cycles) | ldmatrix bytes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     found = loops(ins, a.min_hmma)
+    def row(label: str, body: list[dict]) -> None:
+        s = summary(body)
+        print(f"| {label} | {s['instructions']} | {s['hmma']} | {s['ldsm']} | {s['shfl']} | {s['mufu']} | {s['sts']} | "
+              f"{s['hmma_stall_mean']:.1f} | {s['stall_sum']} | {s['model']} | {s['ldsm_bytes']} |")
+
     for first, last in found:
-        s = summary(ins[first:last + 1])
-        print(f"| {ins[first]['addr']:#x}-{ins[last]['addr']:#x} | {s['instructions']} | {s['hmma']} | {s['ldsm']} | "
-              f"{s['shfl']} | {s['mufu']} | {s['sts']} | {s['hmma_stall_mean']:.1f} | {s['stall_sum']} | {s['model']} | "
-              f"{s['ldsm_bytes']} |")
+        body = ins[first:last + 1]
+        row(f"{ins[first]['addr']:#x}-{ins[last]['addr']:#x}", body)
+        for k, target in skipped_blocks(body, a.skip_blocks) if a.skip_blocks > 0 else []:
+            row(f"  past {body[k + 1]['addr']:#x}-{body[target - 1]['addr']:#x} ({target - k - 1} skipped)",
+                body[:k + 1] + body[target:])
     o = outside_loops(ins)
     print(f"outside every loop (run once per call, from a cold instruction cache): {o['instructions']} instructions, "
           f"{o['call']} CALL, {o['bssy']} BSSY, {o['stg']} STG, {o['ldg']} LDG")
