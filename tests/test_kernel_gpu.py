@@ -330,6 +330,13 @@ def _build_with_defines(jobs, out_dir):
         return list(pool.map(build, jobs))
 
 
+def _build_pairs(pairs, out_dir):
+    """Per (uri, defines_a, defines_b) of ``pairs``, the two builds (a, b) of :func:`_build_with_defines`, all compiled
+    in parallel."""
+    built = _build_with_defines([(uri, d) for uri, a, b in pairs for d in (a, b)], out_dir)
+    return [(built[2 * i], built[2 * i + 1]) for i in range(len(pairs))]
+
+
 @pytest.fixture(scope="module")
 def merge_kernels(tmp_path_factory):
     """The MERGE_URIS built with MLAGEN_DST_MERGE 1 for this GPU's arch (outside the registry), in parallel."""
@@ -447,9 +454,8 @@ PAIRED_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_d
 def paired_kernels(tmp_path_factory):
     """Per PAIRED_URIS entry, (dim-order build, paired build): MLAGEN_DST_PARTIAL_BF16 1 and 2 for this GPU's arch
     (outside the registry), compiled in parallel."""
-    jobs = [(uri, (("MLAGEN_DST_PARTIAL_BF16", layout),)) for uri in PAIRED_URIS for layout in (1, 2)]
-    built = _build_with_defines(jobs, tmp_path_factory.mktemp("paired"))
-    return [(built[2 * i], built[2 * i + 1]) for i in range(len(PAIRED_URIS))]
+    pairs = [(uri, (("MLAGEN_DST_PARTIAL_BF16", 1),), (("MLAGEN_DST_PARTIAL_BF16", 2),)) for uri in PAIRED_URIS]
+    return _build_pairs(pairs, tmp_path_factory.mktemp("paired"))
 
 
 @pytest.mark.parametrize("i", range(len(PAIRED_URIS)))
@@ -477,6 +483,17 @@ def _wait_or_fail(what, seconds=120.0):
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not finished after {seconds:.0f} s (a barrier deadlock?)")
         time.sleep(0.01)
+
+
+def _launch(k, p):
+    """(out, lse) of kernel ``k`` on problem ``p`` (both NaN before the launch; kv_scale 1), waited for with
+    :func:`_wait_or_fail`."""
+    v = k.variant
+    out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
+    k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+    _wait_or_fail(v.uri)
+    return out, lse
 
 
 def _assert_same_outputs(base, diag, split_tiles=()):
@@ -530,9 +547,9 @@ PRODUCER_PV_JOBS = [
 def producer_pv_kernels(tmp_path_factory):
     """Per PRODUCER_PV_JOBS entry, (build without, build with MLAGEN_DST_PRODUCER_PV 1) for this GPU's arch (outside
     the registry), compiled in parallel."""
-    jobs = [(uri, defines + (("MLAGEN_DST_PRODUCER_PV", pv),)) for uri, defines in PRODUCER_PV_JOBS for pv in (0, 1)]
-    built = _build_with_defines(jobs, tmp_path_factory.mktemp("producer_pv"))
-    return [(built[2 * i], built[2 * i + 1]) for i in range(len(PRODUCER_PV_JOBS))]
+    pairs = [(uri, defines + (("MLAGEN_DST_PRODUCER_PV", 0),), defines + (("MLAGEN_DST_PRODUCER_PV", 1),))
+             for uri, defines in PRODUCER_PV_JOBS]
+    return _build_pairs(pairs, tmp_path_factory.mktemp("producer_pv"))
 
 
 @pytest.mark.parametrize("i", range(len(PRODUCER_PV_JOBS)))
@@ -561,9 +578,8 @@ SLACK_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_di
 def slack_kernels(tmp_path_factory):
     """Per SLACK_URIS entry, (build without a slack, build with MLAGEN_DST_RESCALE_SLACK 8) for this GPU's arch
     (outside the registry), compiled in parallel."""
-    jobs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", slack),)) for uri in SLACK_URIS for slack in (0, 8)]
-    built = _build_with_defines(jobs, tmp_path_factory.mktemp("slack"))
-    return [(built[2 * i], built[2 * i + 1]) for i in range(len(SLACK_URIS))]
+    pairs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 0),), (("MLAGEN_DST_RESCALE_SLACK", 8),)) for uri in SLACK_URIS]
+    return _build_pairs(pairs, tmp_path_factory.mktemp("slack"))
 
 
 @pytest.mark.parametrize("i", range(len(SLACK_URIS)))
@@ -581,16 +597,11 @@ def test_dimsplit_t_rescale_slack_matches_reference(slack_kernels, i):
     v = k.variant
     make = make_fp8_problem if v.dtype == "fp8_e4m3" else make_problem
     p = make(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising scores, 20k")
-    outs = []
-    for kern in (base, k):
-        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
-        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-        kern(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
-        _wait_or_fail(kern.variant.uri)
+    outs = [_launch(kern, p) for kern in (base, k)]
+    for kern, (out, lse) in zip((base, k), outs):
         r = compare(p, out, lse, v.dtype, v.kv_lora_rank)  # (kv_scale 1: no descale)
         assert r.passed, f"{kern.variant.uri}: {r.detail}"
-        outs.append(out)
-    assert not torch.equal(outs[0], outs[1]), "the slack build's output equals the build without it"
+    assert not torch.equal(outs[0][0], outs[1][0]), "the slack build's output equals the build without it"
 
 
 @pytest.fixture(scope="module")
@@ -613,13 +624,7 @@ def test_dimsplit_t_rescale_flag_equals_factor_test(slack_kernels, flag_kernels,
     _assert_same_outputs(base, diag)
     v = diag.variant
     p = make_problem(v, [v.q_len + 20000, v.q_len + 1500], device="cuda", kv_ramp=4.0, name="rising scores, 20k")
-    outs = []
-    for k in (base, diag):
-        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
-        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
-        _wait_or_fail(k.variant.uri)
-        outs.append((out, lse))
+    outs = [_launch(k, p) for k in (base, diag)]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
