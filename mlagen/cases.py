@@ -245,10 +245,10 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
     num_slots, D = base.kv_cache.shape
     used = referenced_slots(base.block_table, base.kv_lens, base.page_size, base.req_pool_indices)
     kv = torch.tensor(E4M3_NAN_BYTES, dtype=torch.uint8)[torch.randint(0, 2, (num_slots, D), generator=gen)]
+    rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
     vals = torch.randn(int(used.numel()), D, generator=gen)
     if kv_ramp:
         factor = torch.ones(num_slots)
-        rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
         for b, L in enumerate(kv_lens):
             if L > 0:
                 pos = torch.arange(L)
@@ -257,7 +257,6 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
         vals *= factor[used].unsqueeze(1)
     kv[used] = quantize_e4m3(vals, k_scale)
     if special:
-        rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
         table = base.block_table.to(torch.int64)
         P = base.page_size
 

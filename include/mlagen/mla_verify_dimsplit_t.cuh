@@ -572,6 +572,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
     }
   };
+  // the bf16 producer's first page entries, when requested before the barrier set-up (MLAGEN_DST_EARLY_PAGES)
+#if MLAGEN_DST_EARLY_PAGES == 1
+  const int32_t* early = Cfg::kBulkLoad ? nullptr : early_pages;
+#else
+  const int32_t* early = nullptr;
+#endif
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
   constexpr uint32_t kStatThreads = (Cfg::kScoreWarps + Cfg::kPvWarps) * 32;
 
@@ -581,11 +587,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem,
                                 full8_bar, empty8_bar);
     } else {
-#if MLAGEN_DST_EARLY_PAGES == 1
-      const int32_t* early = Cfg::kBulkLoad ? nullptr : early_pages;
-#else
-      const int32_t* early = nullptr;
-#endif
       dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
                                  full_bar, empty_bar, early);
     }
@@ -1076,11 +1077,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     if (warp == Cfg::kProducerWarp) {
       // The P V step of tile i - kStages ahead of the copies of tile i (they wait for that step's release of its
       // stage), then the split's last steps.
-#if MLAGEN_DST_EARLY_PAGES == 1
-      const int32_t* early = early_pages;
-#else
-      const int32_t* early = nullptr;
-#endif
       dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
                                  full_bar, empty_bar, early, [&](int j) { pv_step(TilesFew{}, j); });
 #pragma unroll 1
