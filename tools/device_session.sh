@@ -15,8 +15,9 @@
 #         SGL=1 with .whl carried: also SGLang's Triton verify kernel, bf16 and on the e4m3 pool) ≈ 6-8 min.
 #   consumers: [URI=..] ncu of the dimsplit kernel at 64k bs1: instruction mix per pipe, warp states and
 #         per-SASS-instruction counters (sass_counters.csv), the report in $OUT ≈ 3-5 min.
-#   dst: [DST_URI=.. DST_FP8_URI=..] dimsplit_t GPU tests (bf16, e4m3, fused merge, direct, draft rows) + memcheck + racecheck in
-#         parallel ≈ 6.5 min; then, a second call,
+#   dst: [DST_URI=.. DST_FP8_URI=.. DST_DEFINES="NAME=VAL .." KTESTS=..] dimsplit_t GPU tests (bf16, e4m3, fused merge,
+#         direct, draft rows) + memcheck + racecheck in parallel ≈ 6.5 min; DST_DEFINES: every one of those builds with
+#         the candidate defaults (NVCC_APPEND_FLAGS); KTESTS: those GPU tests too (without them); then, a second call,
 #   dst_bench: [KERNELS=globs K64=glob] the small-grid bench with FlashInfer's and the L2 -> SM columns, the same at
 #         sm_120 occupancy, the page-size-64 rows H8 bs1 64k and H64 bs4 16k, backend_step if .whl is carried
 #         (.whl_fi) ≈ 8.5 min (the tiles build in ~4 of them).
@@ -124,6 +125,14 @@ elif [ "$MODE" = dst ]; then
   # DST_URI, racecheck of DST_FP8_URI when set (an e4m3 dimsplit_t uri); the bench is `dst_bench`
   DST_URI=${DST_URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
   T="python3 -m pytest -m gpu -q -rs --durations=12"  # the slowest tests and fixtures (builds) in each log
+  if [ -n "${KTESTS:-}" ]; then  # GPU tests of diagnostic builds (they set their own defines), beside the rest
+    step pytest_ktests 500 $T tests/test_kernel_gpu.py -k "$KTESTS" &
+  fi
+  if [ -n "${DST_DEFINES:-}" ]; then  # a candidate default (NAME=VAL ...) in every build of the steps below, through
+    # nvcc's own NVCC_APPEND_FLAGS (part of the build cache key: mlagen.ninja_gen.toolchain_key)
+    export NVCC_APPEND_FLAGS="$(for d in $DST_DEFINES; do printf -- '-D%s ' "$d"; done)"
+    echo "dst: every build with NVCC_APPEND_FLAGS=$NVCC_APPEND_FLAGS"
+  fi
   # the bf16 set in two processes (one ran past 500 s): the full case set; the equality with rowblock and the other
   # row counts (a module both need is built once: the second process waits on its build lock)
   step pytest_dst 500 $T tests/test_kernel_gpu.py -k "dimsplit_t_full" &
@@ -138,7 +147,7 @@ elif [ "$MODE" = dst ]; then
     step racecheck_dst_fp8 500 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$DST_FP8_URI" 0 0 quick &
   fi
   wait
-  for f in pytest_dst pytest_dst_rows pytest_dst_fp8 pytest_merge pytest_direct_newkv; do
+  for f in pytest_dst pytest_dst_rows pytest_dst_fp8 pytest_merge pytest_direct_newkv ${KTESTS:+pytest_ktests}; do
     echo "$f: $(grep -hE "passed|failed|Error|assert" "$OUT/$f.log" | tail -1)"
   done
   grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/memcheck_dst.log" "$OUT/racecheck_dst.log" \
