@@ -255,7 +255,11 @@ def _feasible_selection(spec: Spec, spec_path: str, kernels: str | None) -> tupl
 
     selected = filter_by_glob(spec.variants(), kernels)
     if not selected:
-        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}")
+        hint = ""
+        if kernels and re.search(r"ps\d+_lw", kernels):  # copied from a module name (generate / build print them)
+            hint = (" (that looks like part of a module name: a variant uri also carries its split count after the"
+                    " page size, _nsN_ or _nsauto_)")
+        raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}{hint}")
     ok, bad = feasibility.split_feasible(selected)
     if ok:
         check_nvcc([a for v in ok for a in v.archs])  # a missing / old toolchain: one line, before any listing
@@ -575,7 +579,8 @@ def show(uri: str) -> None:
         hint = ""
         if "_ns" not in uri and uri.startswith("mla_verify_"):  # a module name (build key), as build prints
             hint = " (that looks like a module name: a variant uri also carries its split count, _nsN_ or _nsauto_)"
-        raise click.ClickException(f"unknown variant {short_repr(uri)}{hint}; see `mlagen list`")
+        shown = repr(uri) if len(uri) <= 300 else short_repr(uri)  # a uri whole, so the mistyped part shows
+        raise click.ClickException(f"unknown variant {shown}{hint}; see `mlagen list`")
     ver = reg.last_verification(uri, row["source_hash"])
     if ver is not None:
         ver = dict(ver, at=_iso(ver["at"]))

@@ -52,6 +52,10 @@ def test_bad_jobs_and_glob(runner):
     assert r.exit_code == 2 and "--jobs" in r.output
     r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", "nomatch*"])
     assert r.exit_code == 1 and "no variant of kimi-k2-tp8-verify matches --kernels 'nomatch*'" in r.output
+    assert "module name" not in r.output
+    # a glob copied from a module name (generate prints them: no _nsN_ after the page size) gets a hint
+    r = runner.invoke(main, ["build", "specs/kimi-k2-tp8-verify.yaml", "--kernels", "*ps64_lw128*"])
+    assert r.exit_code == 1 and "matches --kernels '*ps64_lw128*'" in r.output and "_nsN_" in r.output, r.output
     for cmd in (["build", "specs/kimi-k2-tp8-verify.yaml"], ["list"], ["verify"]):
         r = runner.invoke(main, [*cmd, "--kernels", " , "])
         assert r.exit_code == 2 and "names no glob" in r.output and "Traceback" not in r.output
@@ -125,6 +129,9 @@ def test_verify_without_gpu_says_so(runner):
 def test_show_unknown_and_empty_list(runner):
     r = runner.invoke(main, ["show", "mla_verify_nope"])
     assert r.exit_code == 1 and "unknown variant 'mla_verify_nope'" in r.output
+    long_uri = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm99"
+    r = runner.invoke(main, ["show", long_uri])  # printed whole, so the user sees which part is wrong
+    assert r.exit_code == 1 and f"unknown variant '{long_uri}'" in r.output, r.output
     r = runner.invoke(main, ["list"])
     assert r.exit_code == 0 and "0 variants" in r.output
 
