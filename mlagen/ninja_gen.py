@@ -161,6 +161,20 @@ def nvcc_flags(v: Variant) -> list[str]:
     return flags
 
 
+def diagnostic_module_name(build_key: str, defines: list[tuple[str, object]] | tuple) -> str:
+    """The module name of a diagnostic build of ``build_key`` with ``#define NAME VALUE`` for each (NAME, VALUE) of
+    ``defines``: ``<build_key>_<name>_<value>...`` (lower case), or, where that would exceed 160 characters,
+    ``<build_key>_d<12 hex digits of the defines' SHA-1>``, because nvcc's temporary files add ~70 characters to the
+    module name and a longer file name than 255 bytes fails in nvlink ("Could not open output file")."""
+    import hashlib
+
+    name = build_key + "".join(f"_{n.lower()}_{val}" for n, val in defines)
+    if len(name) <= 160:
+        return name
+    digest = hashlib.sha1(" ".join(f"{n}={val}" for n, val in defines).encode()).hexdigest()[:12]
+    return f"{build_key}_d{digest}"
+
+
 def compile_diagnostic(v: Variant, source: str, module: str, out_dir: Path) -> Path:
     """Compile a diagnostic build of ``v`` (tools/device_ablate.py, tools/device_ab_define.py): ``source`` (the
     rendered module, with its ``#define`` lines ahead) as ``out_dir/<module>.cu`` into ``out_dir/<module><ext>``.

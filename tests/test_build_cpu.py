@@ -444,3 +444,20 @@ def test_compile_diagnostic_two_processes_build_a_module_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), results
     assert [r[0] for r in results] == ["start\nend\n\n"] * 2
     assert len(calls.read_text().splitlines()) == 1
+
+
+def test_diagnostic_module_name_stays_short_enough_for_nvcc():
+    """A diagnostic build's module name says its defines while it is short; past 160 characters (nvcc's temporary
+    files add ~70 to it, and nvlink fails on file names over 255 bytes) it is the build key plus a digest of the
+    defines: deterministic, distinct per define set, a valid module identifier."""
+    from mlagen.ninja_gen import diagnostic_module_name
+
+    key = "mla_verify_h8_q9_kv512_rope64_ps1_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm90"
+    two = (("MLAGEN_DST_RESCALE_SLACK", 8), ("MLAGEN_DST_RESCALE_FLAG", 0))
+    assert diagnostic_module_name(key, two) == key + "_mlagen_dst_rescale_slack_8_mlagen_dst_rescale_flag_0"
+    four = two + (("MLAGEN_COMBINE_UNROLL", 16), ("MLAGEN_DST_EARLY_PAGES", 1))
+    four_b = two + (("MLAGEN_COMBINE_UNROLL", 8), ("MLAGEN_DST_EARLY_PAGES", 1))
+    a, b = diagnostic_module_name(key, four), diagnostic_module_name(key, four_b)
+    assert a != b and a == diagnostic_module_name(key, list(four))
+    for name in (a, b):
+        assert name.startswith(key + "_d") and len(name) <= 160 and name.isidentifier()

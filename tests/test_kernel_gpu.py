@@ -313,7 +313,7 @@ def _build_with_defines(jobs, out_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     from mlagen.codegen import render_variant
-    from mlagen.ninja_gen import compile_diagnostic
+    from mlagen.ninja_gen import compile_diagnostic, diagnostic_module_name
     from mlagen.ops import VerifyKernel
     from mlagen.spec import Variant
 
@@ -322,7 +322,7 @@ def _build_with_defines(jobs, out_dir):
     def build(job):
         uri, defines = job
         v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
-        mod = v.build_key + "".join(f"_{name.lower()}_{value}" for name, value in defines)
+        mod = diagnostic_module_name(v.build_key, defines)
         src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
         return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
 
@@ -566,8 +566,8 @@ def test_dimsplit_t_producer_pv_equals_shipped(producer_pv_kernels, i):
     _check(diag, quick=i > 0)
 
 
-# dimsplit_t tiles built with a rescale slack of 8 (MLAGEN_DST_RESCALE_SLACK): H8 q9 tree st4 (the shipped tile), q_len 1
-# causal st4, H64 q2 no mask st2, e4m3 st2
+# dimsplit_t tiles built with a rescale slack of 8 (MLAGEN_DST_RESCALE_SLACK; the default of these tiles, with the
+# rescale flags) and of 0, both with the flags off: H8 q9 tree st4, q_len 1 causal st4, H64 q2 no mask st2, e4m3 st2
 SLACK_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
               "mla_verify_h8_q1_kv512_rope64_ps1_nsauto_lw128_bn32_w6_rt1_st4_dimsplit_t_causal_bf16_sm120_sm90",
               "mla_verify_h64_q2_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st2_dimsplit_t_none_bf16_sm120_sm90",
@@ -576,9 +576,10 @@ SLACK_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_di
 
 @pytest.fixture(scope="module")
 def slack_kernels(tmp_path_factory):
-    """Per SLACK_URIS entry, (build without a slack, build with MLAGEN_DST_RESCALE_SLACK 8) for this GPU's arch
-    (outside the registry), compiled in parallel."""
-    pairs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 0),), (("MLAGEN_DST_RESCALE_SLACK", 8),)) for uri in SLACK_URIS]
+    """Per SLACK_URIS entry, (build without a slack, build with MLAGEN_DST_RESCALE_SLACK 8), both with
+    MLAGEN_DST_RESCALE_FLAG 0 (every row's factor tested), for this GPU's arch (outside the registry), in parallel."""
+    off = ("MLAGEN_DST_RESCALE_FLAG", 0)
+    pairs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 0), off), (("MLAGEN_DST_RESCALE_SLACK", 8), off)) for uri in SLACK_URIS]
     return _build_pairs(pairs, tmp_path_factory.mktemp("slack"))
 
 

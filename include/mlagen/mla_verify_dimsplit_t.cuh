@@ -14,6 +14,9 @@
 //                  P^T (bf16, [tokens][rows]) and each
 //                  row's rescale factor go to a shared buffer (kPBufs deep; pfull / pempty mbarriers). The
 //                  softmax of step j runs inside the last K steps of step j + 1 (one basic block; kHalfK).
+//                  A row's running max moves only past a slack of 8 (log2; kRescaleSlack), and each score
+//                  warp flags the steps where one of its rows' factors is not 1 (kRescaleFlag), so the output
+//                  warps seldom rescale O^T.
 //   O^T = V^T P^T  m16 = 16 output dims, n8 = rows, k16 = tokens. Output warp o owns 64 of the CTA's 256
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
@@ -160,23 +163,26 @@
 #define MLAGEN_DST_PRODUCER_PV 0
 #endif
 
-// MLAGEN_DST_RESCALE_SLACK 0 (every shipped build): a row's running max follows every new maximum, so the output
-// warps rescale O^T (144 FMULs per thread) in every step where some row's max grew: with i.i.d. scores that is most
-// steps of a split (a row sets a new record in tile t with probability ~1/t; 72 rows). N > 0: the running max moves only
-// when the step's max exceeds it by more than N (log2 units), as FlashAttention-4 does (Modal, "We reverse-engineered
-// Flash Attention 4", 2025): P = 2^(s scale_log2 - m) is then up to 2^N, l and O^T share that reference, so the result
-// is the same softmax up to bf16 rounding of P, and the output warps skip the rescale in the other steps (perf-notes
-// v33b), for A/B timing.
+// MLAGEN_DST_RESCALE_SLACK -1 (every shipped build): the rescale slack N of MlaDimSplitTConfig::kRescaleSlack, 8 in
+// builds of 1 or 3 score warps and 0 in builds of 2 (there the slack's registers cost 4 B of spills on sm_90 at H1 q40).
+// With N = 0 a row's running max follows every new maximum, so the output warps rescale O^T (144 FMULs per thread) in
+// every step where some row's max grew: with i.i.d. scores that is most steps of a split (a row sets a new record in
+// tile t with probability ~1/t; 72 rows). N > 0: the running max moves only when the step's max exceeds it by more than
+// N (log2 units), as FlashAttention-4 does (Modal, "We reverse-engineered Flash Attention 4", 2025): P = 2^(s
+// scale_log2 - m) is then up to 2^N, l and O^T share that reference, so the result is the same softmax up to bf16
+// rounding of P, and the output warps skip the rescale in the other steps (perf-notes v33b, v34: with the flags below,
+// 0.953-0.990x the time of N = 0 on an H200). 0-16 force N, for A/B timing.
 #ifndef MLAGEN_DST_RESCALE_SLACK
-#define MLAGEN_DST_RESCALE_SLACK 0
+#define MLAGEN_DST_RESCALE_SLACK -1
 #endif
 
-// MLAGEN_DST_RESCALE_FLAG 0 (every shipped build): the output warps load every row's rescale factor of a step (9 LDS.64
-// at 72 rows) and test each against 1 (~45 SASS instructions per step) to decide whether to rescale O^T; 1: each score
-// warp also publishes one flag per P^T buffer (some factor of its rows differs from 1, a warp vote), the output warps
-// read the flags and load the factors only when one is set (perf-notes v33c), for A/B timing. Bit-identical outputs.
+// MLAGEN_DST_RESCALE_FLAG -1 (every shipped build): MlaDimSplitTConfig::kRescaleFlag is on where the slack is. 0: the
+// output warps load every row's rescale factor of a step (9 LDS.64 at 72 rows) and test each against 1 (~45 SASS
+// instructions per step) to decide whether to rescale O^T; 1: each score warp also publishes one flag per P^T buffer
+// (some factor of its rows differs from 1, a warp vote), the output warps read the flags and load the factors only when
+// one is set (perf-notes v33c). Bit-identical outputs either way; 0 / 1 force it, for A/B timing.
 #ifndef MLAGEN_DST_RESCALE_FLAG
-#define MLAGEN_DST_RESCALE_FLAG 0
+#define MLAGEN_DST_RESCALE_FLAG -1
 #endif
 
 namespace mlagen {
@@ -278,6 +284,12 @@ struct MlaDimSplitTConfig {
   static constexpr int kNTilesS = kRowsPerScoreWarp / 8;
   static constexpr int kRowsPerCta = kRowTiles * kRowsPerScoreWarp;  // rows of the cluster (both CTAs: all)
   static constexpr int kRowNTiles = kRowsPerCta / 8;
+  // The rescale slack (log2 units) and the score warps' rescale flags (MLAGEN_DST_RESCALE_SLACK / _FLAG above).
+  static constexpr int kRescaleSlack =
+      MLAGEN_DST_RESCALE_SLACK >= 0 ? MLAGEN_DST_RESCALE_SLACK : (kScoreWarps == 2 ? 0 : 8);
+  static_assert(kRescaleSlack <= 16, "MLAGEN_DST_RESCALE_SLACK: P up to 2^N in bf16 and fp32 sums");
+  static constexpr bool kRescaleFlag =
+      MLAGEN_DST_RESCALE_FLAG >= 0 ? MLAGEN_DST_RESCALE_FLAG != 0 : kRescaleSlack > 0;
   static constexpr int kOutWarps = 4;
   static constexpr int kFirstOutWarp = kScoreWarps;
   static constexpr int kConsumerWarps = kScoreWarps + kOutWarps;  // arrivals on empty[stage]
@@ -349,11 +361,11 @@ struct MlaDimSplitTConfig {
   static constexpr int kXEmptyBars = kXBufs == 1 ? kScoreWarps : 0;
   static constexpr int kNumBars = dimsplit_t_num_bars(kXBufs, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars);
   static constexpr int kSmemBars = kNumBars * 8;
-  // MLAGEN_DST_RESCALE_FLAG: [kPBufs][4] int flags (one per score warp) after everything else, 16-byte aligned
+  // kRescaleFlag: [kPBufs][4] int flags (one per score warp) after everything else, 16-byte aligned
   static constexpr int kSmemBeforeFlags =
       kSmemKv + kSmemXchg + kSmemP + kSmemAlpha + kSmemStats + kSmemTree + kSmemBars + kSmemFp8;
   static constexpr int kFlagOffset = (kSmemBeforeFlags + 15) / 16 * 16;
-  static constexpr int kSmemBytes = MLAGEN_DST_RESCALE_FLAG ? kFlagOffset + kPBufs * 16 : kSmemBeforeFlags;
+  static constexpr int kSmemBytes = kRescaleFlag ? kFlagOffset + kPBufs * 16 : kSmemBeforeFlags;
 
   // The partials' element type (mla_verify_partial_store.cuh, perf-notes v22): bf16 in shipped builds.
   static constexpr bool kPartialBf16 = MLAGEN_DST_PARTIAL_BF16 != 0;
@@ -399,12 +411,26 @@ struct MlaDimSplitTConfig {
   static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL_BF16 0)");
 };
 
+// O^T *= alpha per row (n index) over the first kMT m16 tiles: the output warps' rescale when some row max moved.
+template <int kMT, int kMTiles, int kN>
+__device__ __forceinline__ void dimsplit_t_rescale_o(float (&o)[kMTiles][kN][4], const float2 (&alpha)[kN]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+      o[mt][nt][0] *= alpha[nt].x;
+      o[mt][nt][1] *= alpha[nt].y;
+      o[mt][nt][2] *= alpha[nt].x;
+      o[mt][nt][3] *= alpha[nt].y;
+    }
+}
+
 // One CTA's partial: o_part / lse_part of its (row block, split, request), in smem_raw (Cfg::kSmemBytes).
 // Online softmax of one row of a sub-tile's score fragments S^T (n8 tile nt, column parity e: row 2 t4 + e, whose
 // tokens 16 mt + g, + 8 are the 8 lanes of one t4): the max over the step's tokens (registers, then 3 shuffles over
 // those lanes), P = 2^(S scale_log2 - m) in place by one FFMA and one ex2.approx.ftz each (m_run: scaled, log2 units),
 // the row's rescale factor alpha = 2^(m_old - m_new), and this thread's share of the running sum l_run.
-template <int kM, int kN>
+template <int kSlack, int kM, int kN>
 __device__ __forceinline__ void dimsplit_t_softmax_row(float (&s)[kM][kN][4], int nt, int e, float scale_log2,
                                                        float& m_run, float& l_run, float& alpha) {
   float mx = -INFINITY;
@@ -413,13 +439,13 @@ __device__ __forceinline__ void dimsplit_t_softmax_row(float (&s)[kM][kN][4], in
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-#if MLAGEN_DST_RESCALE_SLACK > 0
-  static_assert(MLAGEN_DST_RESCALE_SLACK <= 16, "MLAGEN_DST_RESCALE_SLACK: P up to 2^N in bf16 and fp32 sums");
-  const float mx_s = mx * scale_log2;  // (m_run -inf: any finite max is taken; a NaN never is)
-  const float m_new = mx_s > m_run + static_cast<float>(MLAGEN_DST_RESCALE_SLACK) ? mx_s : m_run;
-#else
-  const float m_new = fmaxf(m_run, mx * scale_log2);
-#endif
+  float m_new;
+  if constexpr (kSlack > 0) {
+    const float mx_s = mx * scale_log2;  // (m_run -inf: any finite max is taken; a NaN never is)
+    m_new = mx_s > m_run + static_cast<float>(kSlack) ? mx_s : m_run;
+  } else {
+    m_new = fmaxf(m_run, mx * scale_log2);
+  }
   const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
   alpha = ptx::ex2_approx_ftz(m_run - m_use);
   m_run = m_new;
@@ -468,9 +494,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   uint64_t* tree_bar = xempty_bar + Cfg::kXEmptyBars;  // kTreeRowsSmem: tree_smem holds the request's rows
   uint64_t* full8_bar = tree_bar + (Cfg::kTreeRowsSmem ? 1 : 0);  // fp8 [kStages]: the producer's copies landed
   uint64_t* empty8_bar = full8_bar + (Cfg::kKvFp8 ? Cfg::kStages : 0);  // fp8 [kStages]: the output warps read it
-#if MLAGEN_DST_RESCALE_FLAG
-  int* flag_smem = reinterpret_cast<int*>(smem_raw + Cfg::kFlagOffset);  // [kPBufs][4]: a score warp's factors moved
-#endif
+  int* flag_smem = reinterpret_cast<int*>(smem_raw + Cfg::kFlagOffset);  // kRescaleFlag, [kPBufs][4]: factors moved
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -744,7 +768,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         alpha = 1.f;
         return;
       }
-      dimsplit_t_softmax_row(s, nt, e, scale_log2, m_run[nt][e], l_run[nt][e], alpha);
+      dimsplit_t_softmax_row<Cfg::kRescaleSlack>(s, nt, e, scale_log2, m_run[nt][e], l_run[nt][e], alpha);
     };
     // P^T (bf16, [tokens][rows]) of n8 tile nt and its rows' rescale factors into P buffer j % kPBufs.
     auto write_p = [&](int j, const Acc& s, int nt, const float (&alpha)[2]) {
@@ -755,8 +779,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
     };
-#if MLAGEN_DST_RESCALE_FLAG
-    // Before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp vote), as its flag
+    // kRescaleFlag, before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp vote), as its flag
     // of P buffer j % kPBufs (lane 0's store, ordered before its pfull arrival).
     auto publish_flag = [&](int j, const float (&alpha)[Cfg::kNTilesS][2]) {
       bool moved = false;
@@ -765,7 +788,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       moved = __any_sync(0xffffffffu, moved);
       if (lane == 0) flag_smem[(j % Cfg::kPBufs) * 4 + sw] = moved ? 1 : 0;
     };
-#endif
 
     // Software pipeline, per sub-tile j: the first kHalfK of the next sub-tile's K steps (j + 1), then S of j
     // (the peer's half, sent one step earlier, has crossed the cluster meanwhile), then the rest of
@@ -804,9 +826,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         softmax_row(s_cur, nt, 1, alpha[nt][1]);
         write_p(j, s_cur, nt, alpha[nt]);
       }
-#if MLAGEN_DST_RESCALE_FLAG
-      publish_flag(j, alpha);
-#endif
+      if constexpr (Cfg::kRescaleFlag) publish_flag(j, alpha);
       publish_p(j);
     };
     auto advance_scores = [&]() {
@@ -845,9 +865,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
       }
       join_chains(s_next, s_odd);
-#if MLAGEN_DST_RESCALE_FLAG
-      publish_flag(j, alpha);
-#endif
+      if constexpr (Cfg::kRescaleFlag) publish_flag(j, alpha);
       publish_p(j);
       send_scores(j + 1, s_next);
       advance_scores();
@@ -1010,31 +1028,23 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       traced(kTraceP, [&] { ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u); });
       const float* alpha_in = alpha_smem + buf * Cfg::kRowsPerCta;
       float2 alpha[Cfg::kRowNTiles];
-#if MLAGEN_DST_RESCALE_FLAG
-      const int4 moved = *reinterpret_cast<const int4*>(flag_smem + buf * 4);  // the score warps' flags of step j
-      if ((moved.x | (Cfg::kScoreWarps > 1 ? moved.y : 0) | (Cfg::kScoreWarps > 2 ? moved.z : 0)) != 0) {
+      if constexpr (Cfg::kRescaleFlag) {
+        const int4 moved = *reinterpret_cast<const int4*>(flag_smem + buf * 4);  // the score warps' flags of step j
+        if ((moved.x | (Cfg::kScoreWarps > 1 ? moved.y : 0) | (Cfg::kScoreWarps > 2 ? moved.z : 0)) != 0) {
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
+            alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+          }
+          dimsplit_t_rescale_o<kMT>(o, alpha);
+        }
+      } else {
+        bool unit = true;
 #pragma unroll
         for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
           alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
+          unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
         }
-#else
-      bool unit = true;
-#pragma unroll
-      for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
-        alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
-        unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
-      }
-      if (!__all_sync(0xffffffffu, unit)) {  // some row max moved
-#endif
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
-            o[mt][nt][0] *= alpha[nt].x;
-            o[mt][nt][1] *= alpha[nt].y;
-            o[mt][nt][2] *= alpha[nt].x;
-            o[mt][nt][3] *= alpha[nt].y;
-          }
+        if (!__all_sync(0xffffffffu, unit)) dimsplit_t_rescale_o<kMT>(o, alpha);  // some row max moved
       }
 #pragma unroll
       for (int kt = 0; kt < ((kAblate & kAblatePV) ? 0 : Cfg::kMTilesS); ++kt) {  // k16 steps over the tokens
