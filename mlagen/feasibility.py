@@ -94,7 +94,10 @@ def resources(v: Variant) -> Resources:
         # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
         x_bufs = 2 if smem_kv + 2 * xchg_buf + smem_p + bars(2) * 8 <= SMEM_LIMIT["sm_120"] else 1
         smem_bars = bars(x_bufs) * 8
-        return Resources(smem_kv + x_bufs * xchg_buf + smem_p + smem_bars, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
+        smem = smem_kv + x_bufs * xchg_buf + smem_p + smem_bars
+        if v.row_tiles != 2:  # kRescaleFlag (on with the default rescale slack): [2 P^T buffers][4] ints, 16-B aligned
+            smem = -(-smem // 16) * 16 + 2 * 16
+        return Resources(smem, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":
         dim_cta = v.kv_lora_rank // 2 + v.qk_rope_head_dim // 2

@@ -459,5 +459,6 @@ def test_diagnostic_module_name_stays_short_enough_for_nvcc():
     four_b = two + (("MLAGEN_COMBINE_UNROLL", 8), ("MLAGEN_DST_EARLY_PAGES", 1))
     a, b = diagnostic_module_name(key, four), diagnostic_module_name(key, four_b)
     assert a != b and a == diagnostic_module_name(key, list(four))
-    for name in (a, b):
+    neg = diagnostic_module_name(key, (("MLAGEN_DST_RESCALE_SLACK", -1),))  # a value that is no identifier part
+    for name in (a, b, neg):
         assert name.startswith(key + "_d") and len(name) <= 160 and name.isidentifier()
