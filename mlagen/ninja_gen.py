@@ -164,8 +164,9 @@ def nvcc_flags(v: Variant) -> list[str]:
 def diagnostic_module_name(build_key: str, defines: list[tuple[str, object]] | tuple) -> str:
     """The module name of a diagnostic build of ``build_key`` with ``#define NAME VALUE`` for each (NAME, VALUE) of
     ``defines``: ``<build_key>_<name>_<value>...`` (lower case), or, where that would exceed 160 characters or not be
-    an identifier (a value of -1), ``<build_key>_d<12 hex digits of the defines' SHA-1>``, because nvcc's temporary files add ~70 characters to the
-    module name and a longer file name than 255 bytes fails in nvlink ("Could not open output file")."""
+    an identifier (a value of -1), ``<build_key>_d<12 hex digits of the defines' SHA-1>``: nvcc's temporary files
+    add ~70 characters to the module name, and nvlink fails on a file name over 255 bytes ("Could not open output
+    file")."""
     import hashlib
 
     name = build_key + "".join(f"_{n.lower()}_{val}" for n, val in defines)

@@ -579,7 +579,8 @@ def slack_kernels(tmp_path_factory):
     """Per SLACK_URIS entry, (build without a slack, build with MLAGEN_DST_RESCALE_SLACK 8), both with
     MLAGEN_DST_RESCALE_FLAG 0 (every row's factor tested), for this GPU's arch (outside the registry), in parallel."""
     off = ("MLAGEN_DST_RESCALE_FLAG", 0)
-    pairs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 0), off), (("MLAGEN_DST_RESCALE_SLACK", 8), off)) for uri in SLACK_URIS]
+    pairs = [(uri, (("MLAGEN_DST_RESCALE_SLACK", 0), off), (("MLAGEN_DST_RESCALE_SLACK", 8), off))
+             for uri in SLACK_URIS]
     return _build_pairs(pairs, tmp_path_factory.mktemp("slack"))
 
 

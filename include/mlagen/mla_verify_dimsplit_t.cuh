@@ -779,8 +779,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
     };
-    // kRescaleFlag, before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp vote), as its flag
-    // of P buffer j % kPBufs (lane 0's store, ordered before its pfull arrival).
+    // kRescaleFlag, before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp
+    // vote), as its flag of P buffer j % kPBufs (lane 0's store, ordered before its pfull arrival).
     auto publish_flag = [&](int j, const float (&alpha)[Cfg::kNTilesS][2]) {
       bool moved = false;
 #pragma unroll
