@@ -74,6 +74,12 @@ def _to_i64(bits: int) -> int:
     return bits - (1 << 64) if bits >= (1 << 63) else bits
 
 
+def ramp_factors(length: int, kv_ramp: float) -> torch.Tensor:
+    """fp32 [length]: the scale 1 + kv_ramp * pos / length of a request's KV row at each position pos (kv_ramp of
+    :func:`make_problem` and :func:`make_fp8_problem`)."""
+    return 1.0 + kv_ramp * torch.arange(length, dtype=torch.float32) / length
+
+
 def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, device="cuda", seed: int | None = None,
                  name: str = "random", pool_slots: int | None = None, min_slot: int = 0, poison_pool: bool = True,
                  kv3d: bool = False, remap_rows: bool = False, kv_ramp: float = 0.0) -> Problem:
@@ -132,7 +138,7 @@ def make_problem(v: Variant, kv_lens: list[int], *, q_len: int | None = None, de
         slots = table[row_of[b], pos // P].long() * P + pos % P
         rows = torch.randn(L, D, generator=dgen, device=device)
         if kv_ramp:
-            rows *= 1.0 + kv_ramp * torch.arange(L, device=device, dtype=torch.float32).unsqueeze(1) / L
+            rows *= ramp_factors(L, kv_ramp).to(device).unsqueeze(1)
         kv[slots.to(device)] = rows.to(torch.bfloat16)
     q = torch.randn(bs * q_len, v.heads, D, generator=dgen, device=device).to(torch.bfloat16)
     tree = None
@@ -246,27 +252,25 @@ def make_fp8_problem(v: Variant, kv_lens: list[int], *, kv_scale: float | tuple[
     used = referenced_slots(base.block_table, base.kv_lens, base.page_size, base.req_pool_indices)
     kv = torch.tensor(E4M3_NAN_BYTES, dtype=torch.uint8)[torch.randint(0, 2, (num_slots, D), generator=gen)]
     rows_of = base.req_pool_indices.tolist() if base.req_pool_indices is not None else list(range(len(kv_lens)))
+    table, P = base.block_table.to(torch.int64), base.page_size
+
+    def slot(b, pos):  # pool slot(s) of request b's position(s) pos (an int or an int64 tensor)
+        return table[rows_of[b], pos // P] * P + pos % P
+
     vals = torch.randn(int(used.numel()), D, generator=gen)
     if kv_ramp:
         factor = torch.ones(num_slots)
         for b, L in enumerate(kv_lens):
             if L > 0:
-                pos = torch.arange(L)
-                slots = base.block_table[rows_of[b], pos // base.page_size].to(torch.int64) * base.page_size
-                factor[slots + pos % base.page_size] = 1.0 + kv_ramp * pos.float() / L
+                factor[slot(b, torch.arange(L))] = ramp_factors(L, kv_ramp)
         vals *= factor[used].unsqueeze(1)
     kv[used] = quantize_e4m3(vals, k_scale)
     if special:
-        table = base.block_table.to(torch.int64)
-        P = base.page_size
-
-        def slot(b, pos):
-            return int(table[rows_of[b], pos // P]) * P + pos % P
 
         for b, L in enumerate(kv_lens):
             if L <= 0:
                 continue
-            r_max, r_sub, r_zero = (slot(b, int(torch.randint(0, L, (1,), generator=gen))) for _ in range(3))
+            r_max, r_sub, r_zero = (int(slot(b, int(torch.randint(0, L, (1,), generator=gen)))) for _ in range(3))
             dims = torch.randperm(D, generator=gen)
             extremes = torch.tensor(E4M3_MAX_BYTES, dtype=torch.uint8)
             kv[r_max, dims[:8]] = extremes[torch.randint(0, 2, (8,), generator=gen)]

@@ -485,13 +485,14 @@ def _wait_or_fail(what, seconds=120.0):
         time.sleep(0.01)
 
 
-def _launch(k, p):
-    """(out, lse) of kernel ``k`` on problem ``p`` (both NaN before the launch; kv_scale 1), waited for with
-    :func:`_wait_or_fail`."""
+def _launch(k, p, workspace=None):
+    """(out, lse) of kernel ``k`` on problem ``p`` (both NaN before the launch; kv_scale 1; ``workspace``, else one
+    the kernel allocates), waited for with :func:`_wait_or_fail`."""
     v = k.variant
     out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-    k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **p.kernel_args())
+    ws = {} if workspace is None else dict(workspace=workspace)
+    k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, **ws, **p.kernel_args())
     _wait_or_fail(v.uri)
     return out, lse
 
@@ -516,11 +517,7 @@ def _assert_same_outputs(base, diag, split_tiles=()):
     for k in (base, diag):
         ws = k.alloc_workspace(len(lens), "cuda")
         ws[16:].view(torch.int32).fill_(-1)  # partials poisoned (NaN as fp32 or bf16): only this launch's are read
-        out = torch.full((p.q.shape[0], v.heads, v.dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
-        lse = torch.full((p.q.shape[0], v.heads), float("nan"), device="cuda")
-        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
-        _wait_or_fail(k.variant.uri)
-        outs.append((out, lse))
+        outs.append(_launch(k, p, ws))
     torch.cuda.synchronize()
     live = torch.repeat_interleave(torch.tensor([L > 0 for L in lens], device="cuda"), v.q_len)
     assert torch.isfinite(outs[1][0][live].float()).all() and torch.isfinite(outs[1][1][live]).all()
