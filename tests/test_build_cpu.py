@@ -329,7 +329,8 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
     """The dimsplit_t schedule (S^T = K Q^T in score warps, O^T = V^T P^T in output warps) compiles for
     sm_120 and sm_90 with no spills and only the allowed instructions, at H8 q9 (3 score warps, 72 rows,
     3 or 4 stages of 32 tokens, two m16 token tiles per score step; with 4, one score exchange buffer) and q_len 1 (one score warp, 8 stages of
-    16 tokens, two accumulator chains) and with an e4m3 cache (2 e4m3 stages, 3 bf16 stages the output warps fill);
+    16 tokens, two accumulator chains), with an e4m3 cache (2 e4m3 stages, 3 bf16 stages the output warps fill)
+    and with 2 score warps (H1 q_len 40: no rescale slack or flags there);
     its shared memory equals the Python model's (a static_assert appended
     to the rendered source), which is what the feasibility filter drops variants by; the softmax uses
     ex2.approx.ftz and the producer prefetches into L2, except in the bf16 builds of 3 score warps and 4 stages
@@ -346,7 +347,11 @@ def test_dimsplit_t_compiles_without_spills_and_matches_the_python_model(tmp_pat
                   dict(heads_per_rank=8, q_len=1, row_tiles=1, num_warps=6, mask="causal", block_n=16, stages=8),
                   # e4m3 KV: a 2-stage e4m3 ring, the output warps convert into 3 bf16 stages (one exchange buffer)
                   dict(heads_per_rank=8, q_len=9, row_tiles=3, num_warps=8, mask="tree", block_n=32, stages=2,
-                       dtype="fp8_e4m3")):
+                       dtype="fp8_e4m3"),
+                  # 2 score warps: no rescale slack and no flags (kRescaleSlack 0; with the slack this tile spills on
+                  # sm_90), which the Python model mirrors (no flags' 32 B)
+                  dict(heads_per_rank=1, q_len=40, row_tiles=2, num_warps=7, mask="tree", block_n=32, stages=3,
+                       page_size=16, nsplit=8)):
         (v,) = parse_spec(dict(base, **extra)).variants()
         assert infeasible_reason(v) is None
         model = (f"\nstatic_assert(Cfg::kSmemBytes == {resources(v).smem_bytes}, "

@@ -31,19 +31,23 @@
 #         the dim-order partial layout against the shipped paired one: DEF=MLAGEN_DST_PARTIAL_BF16 VAL=1 BASE=2.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
+#   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 TRACE=1 CONTEXTS=..] tools/device_ab_define.py with those
+#         defines zipped (build i gets the i-th value of each), then, with TRACE=1, the per-role trace of the shipped
+#         build (tools/dst_trace.py) at 4k and 64k bs 1 ≈ 4-6 min.
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
 # the shipped spec through the CLI (build + verify + bench), the SGLang side-by-side bench, the SGLang backend test.
 set -u
 case "${1:-tests}" in  # before the set-up: a misspelled mode stops here
-  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|diag|trace) ;;
-  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, diag, trace)" >&2
+  tests|tests2|bench|grid|sglang|release2|ablate|fp8|consumers|dst|dst_bench|fixed|schedule|diag|trace|ab) ;;
+  *) echo "device_session.sh: unknown mode '$1' (tests, tests2, bench, grid, sglang, release2, ablate, fp8, consumers, dst, dst_bench, fixed, schedule, diag, trace, ab)" >&2
      exit 2 ;;
 esac
 case "${1:-tests}" in  # what a mode needs, also before the set-up
   grid) [ -n "${HEADS:-}" ] || { echo "device_session.sh grid: give HEADS=8 (or 16,64)" >&2; exit 2; } ;;
   schedule) [ -n "${KERNELS:-}" ] || { echo "device_session.sh schedule: give KERNELS=globs" >&2; exit 2; } ;;
+  ab) [ -n "${AB_DEFINES:-}" ] || { echo "device_session.sh ab: give AB_DEFINES=\"NAME=V0,V1 ..\"" >&2; exit 2; } ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
@@ -221,6 +225,17 @@ elif [ "$MODE" = trace ]; then
   done
   step trace 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" --batches "${BATCHES:-1,4}"
   grep -E "^\||^bs|Error" "$OUT/trace.log" | grep -v "^|---"
+elif [ "$MODE" = ab ]; then
+  # several diagnostic builds of one tile against each other in one process (alternating rounds, outputs bit for
+  # bit first), then where the shipped build's step goes per warp role
+  URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
+  step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $(for d in $AB_DEFINES; do echo --define "$d"; done) \
+    --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches 1,4 --rounds "${ROUNDS:-3}"
+  grep -E "^\||equal|differ|DIFFER|Error" "$OUT/ab.log" | tail -16
+  if [ "${TRACE:-0}" = 1 ]; then
+    step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1
+    grep -E "^\||^bs|Error" "$OUT/trace.log" | grep -v "^|---"
+  fi
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
   # stops the call there); its GPU tests (KTESTS: pytest -k expression, TESTS=0 skips them), memcheck +

@@ -775,18 +775,19 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       const int buf = j % Cfg::kPBufs;
       dimsplit_t_store_pt<Cfg>(pt_smem, alpha_smem, buf, rloc0 + nt * 8 + 2 * t4, g, s, nt, alpha);
     };
-    auto publish_p = [&](int j) {
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);  // release: P^T and the factors of j
-    };
-    // kRescaleFlag, before publish_p(j): whether some factor of this warp's rows differs from 1 in step j (a warp
-    // vote), as its flag of P buffer j % kPBufs (lane 0's store, ordered before its pfull arrival).
-    auto publish_flag = [&](int j, const float (&alpha)[Cfg::kNTilesS][2]) {
-      bool moved = false;
+    // Release P buffer j % kPBufs to the output warps: P^T and the factors of step j, and with kRescaleFlag this
+    // warp's flag of that buffer (whether some factor of its rows differs from 1: a warp vote, lane 0's store,
+    // ordered before its pfull arrival).
+    auto publish_p = [&](int j, const float (&alpha)[Cfg::kNTilesS][2]) {
+      if constexpr (Cfg::kRescaleFlag) {
+        bool moved = false;
 #pragma unroll
-      for (int nt = 0; nt < Cfg::kNTilesS; ++nt) moved = moved || alpha[nt][0] != 1.f || alpha[nt][1] != 1.f;
-      moved = __any_sync(0xffffffffu, moved);
-      if (lane == 0) flag_smem[(j % Cfg::kPBufs) * 4 + sw] = moved ? 1 : 0;
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) moved = moved || alpha[nt][0] != 1.f || alpha[nt][1] != 1.f;
+        moved = __any_sync(0xffffffffu, moved);
+        if (lane == 0) flag_smem[(j % Cfg::kPBufs) * 4 + sw] = moved ? 1 : 0;
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(pfull_bar + j % Cfg::kPBufs);
     };
 
     // Software pipeline, per sub-tile j: the first kHalfK of the next sub-tile's K steps (j + 1), then S of j
@@ -826,8 +827,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         softmax_row(s_cur, nt, 1, alpha[nt][1]);
         write_p(j, s_cur, nt, alpha[nt]);
       }
-      if constexpr (Cfg::kRescaleFlag) publish_flag(j, alpha);
-      publish_p(j);
+      publish_p(j, alpha);
     };
     auto advance_scores = [&]() {
 #pragma unroll
@@ -865,8 +865,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
       }
       join_chains(s_next, s_odd);
-      if constexpr (Cfg::kRescaleFlag) publish_flag(j, alpha);
-      publish_p(j);
+      publish_p(j, alpha);
       send_scores(j + 1, s_next);
       advance_scores();
     };
