@@ -31,9 +31,10 @@
 #         the dim-order partial layout against the shipped paired one: DEF=MLAGEN_DST_PARTIAL_BF16 VAL=1 BASE=2.
 #   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
-#   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 TRACE=1 CONTEXTS=..] tools/device_ab_define.py with those
-#         defines zipped (build i gets the i-th value of each), then, with TRACE=1, the per-role trace of the shipped
-#         build (tools/dst_trace.py) at 4k and 64k bs 1 ≈ 4-6 min.
+#   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 KTESTS=.. TRACE=1 CONTEXTS=..] tools/device_ab_define.py
+#         with those defines zipped (build i gets the i-th value of each); KTESTS' GPU tests first, while the builds
+#         compile; with TRACE=1, then the per-role trace of URI's shipped build (tools/dst_trace.py) at 4k and 64k
+#         bs 1 ≈ 4-6 min (+ the tests).
 #   schedule: KERNELS=globs [SMOKE_URI=.. TESTS=0 KTESTS=.. MEMCHECK_URIS=.. GRID/HEADS/BATCHES/CONTEXTS/SMEM] one schedule's GPU tests,
 #         sanitizers and its bench rows (no baselines).
 # Steps: install (python3 -m pip: on the H200 image `pip` is another interpreter's), GPU tests, sanitizer,
@@ -229,7 +230,14 @@ elif [ "$MODE" = ab ]; then
   # several diagnostic builds of one tile against each other in one process (alternating rounds, outputs bit for
   # bit first), then where the shipped build's step goes per warp role
   URI=${URI:-mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90}
-  step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $(for d in $AB_DEFINES; do echo --define "$d"; done) \
+  ABD=$(for d in $AB_DEFINES; do echo --define "$d"; done)
+  if [ -n "${KTESTS:-}" ]; then  # those GPU tests first, while the A/B builds compile; the timing after both
+    step ab_ktests "${TEST_LIMIT:-400}" python3 -m pytest -m gpu -q -rs --durations=8 tests/test_kernel_gpu.py -k "$KTESTS" &
+    step ab_build 300 python3 tools/device_ab_define.py "$URI" $ABD --build-only &
+    wait
+    grep -hE "passed|failed|Error|assert" "$OUT/ab_ktests.log" | tail -4
+  fi
+  step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $ABD \
     --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches 1,4 --rounds "${ROUNDS:-3}"
   grep -E "^\||equal|differ|DIFFER|Error" "$OUT/ab.log" | tail -16
   if [ "${TRACE:-0}" = 1 ]; then
