@@ -9,7 +9,10 @@ those clusters' CTAs and the role's warps:
   warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps); "busy" is
   the rest;
 - the cycles before the first sub-tile (the score warps' Q loads, the first stage) and after the last (row sums,
-  epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span).
+  epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span);
+- the launch's timeline (%globaltimer ns): how far apart the CTAs start, a CTA's start to its cluster barrier, a
+  CTA's start to its roles' end, and the first CTA's start to the last end (compare with the kernel's duration under
+  ncu: what lies outside is launch and exit).
 
     python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
         [--per-warp]
@@ -40,7 +43,7 @@ from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (\d+) ns (\d+) before (\d+) "
-                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)")
+                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+))?")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
          "output": ("stage", "-", "P^T", "-"),
@@ -53,9 +56,35 @@ def parse(text: str) -> list[dict]:
     rows = []
     for m in LINE.finditer(text):
         g = m.groups()
-        rows.append(dict(cta=int(g[0]), warp=int(g[1]), role=g[2], sub=int(g[3]), cycles=int(g[4]), ns=int(g[5]),
-                         before=int(g[6]), after=int(g[7]), wait=[int(x) for x in g[8:12]]))
+        row = dict(cta=int(g[0]), warp=int(g[1]), role=g[2], sub=int(g[3]), cycles=int(g[4]), ns=int(g[5]),
+                   before=int(g[6]), after=int(g[7]), wait=[int(x) for x in g[8:12]])
+        if g[12] is not None:  # the launch's timeline (absolute %globaltimer ns)
+            row.update(split=int(g[12]), entry=int(g[13]), t0=int(g[14]), end=int(g[15]))
+        rows.append(row)
     return rows
+
+
+def timeline(launches: list[list[dict]]) -> dict | None:
+    """The launch's timeline from the printed %globaltimer stamps, in ns, mean over every launch but the first
+    (unless there is one): ``start_spread`` (last CTA start - first), ``to_barrier`` (a CTA's start to its cluster
+    barrier, mean over CTAs), ``cta_span`` (a CTA's start to its last traced role's end, mean), ``span`` (first CTA
+    start to the last role's end). None when the lines carry no stamps (a build older than perf-notes v35)."""
+    use = launches[1:] if len(launches) > 1 else launches
+    if not use or any(not rows or "entry" not in rows[0] for rows in use):
+        return None
+    per = []
+    for rows in use:
+        ctas = {}  # (split, cta) -> (entry, t0, last end of its traced warps)
+        for r in rows:
+            key = (r["split"], r["cta"])
+            e, t, end = ctas.get(key, (r["entry"], r["t0"], 0))
+            ctas[key] = (e, t, max(end, r["end"]))
+        entries = [c[0] for c in ctas.values()]
+        per.append(dict(start_spread=max(entries) - min(entries),
+                        to_barrier=statistics.fmean(c[1] - c[0] for c in ctas.values()),
+                        cta_span=statistics.fmean(c[2] - c[0] for c in ctas.values()),
+                        span=max(c[2] for c in ctas.values()) - min(entries)))
+    return {k: statistics.fmean(x[k] for x in per) for k in per[0]}
 
 
 def summarize(launches: list[list[dict]], per_warp: bool = False) -> list[dict]:
@@ -160,6 +189,11 @@ def main() -> int:
                 w = " | ".join(f"{x:.0f} ({n})" for x, n in zip(r["wait"][1:], names[1:]))
                 print(f"| {r['role']} | {r['warps']} | {r['sub']:.0f} | {r['loop']:.0f} | {r['wait'][0]:.0f} | {w} | "
                       f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
+            tl = timeline(launches)
+            if tl is not None:
+                print(f"timeline (ns, eager launch, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
+                      f"a CTA's start to its cluster barrier {tl['to_barrier']:.0f}; a CTA's start to its last role's "
+                      f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}", flush=True)
     return 0
 
 

@@ -112,8 +112,9 @@
 // MLAGEN_DST_TRACE 0 (every shipped build): 1: a diagnostic build that times each consumer warp's waits with %clock64
 // and prints, for every cluster of row block 0 (blockIdx.x < 2: every split and request) of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
-// cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), and the
-// cycles inside each of its waits (perf-notes v28).
+// cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), the
+// cycles inside each of its waits (perf-notes v28), and the absolute %globaltimer ns of its CTA's start, of the cluster
+// barrier and of its role's end (the launch's timeline, perf-notes v35).
 #ifndef MLAGEN_DST_TRACE
 #define MLAGEN_DST_TRACE 0
 #endif
@@ -477,6 +478,9 @@ __device__ __forceinline__ void dimsplit_t_store_pt(__nv_bfloat16* pt_smem, floa
 
 template <class Cfg>
 __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, unsigned char* smem_raw) {
+#if MLAGEN_DST_TRACE
+  const uint64_t trace_entry_ns = ptx::globaltimer_ns();  // this CTA's start (the launch's timeline, dst_trace.py)
+#endif
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kConsStages][kBlockN][kKvRowElems]
   uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv;  // fp8: [kStages][kBlockN][kFp8RowBytes] (16-byte aligned rows)
   unsigned char* smem_rest = smem_raw + Cfg::kSmemKv + Cfg::kSmemFp8;
@@ -1144,12 +1148,15 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   if (lane == 0 && blockIdx.x < 2 && (warp != Cfg::kProducerWarp || Cfg::kProducerPV)) {  // (PRODUCER_PV: a P V role)
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
-    printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu\n",
+    printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu"
+           " split %d entry %llu t0 %llu end %llu\n",
            static_cast<int>(blockIdx.x), warp,
            warp < Cfg::kScoreWarps ? "score" : warp == Cfg::kProducerWarp ? "producer" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
            static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
-           w[0], w[1], w[2], w[3]);
+           w[0], w[1], w[2], w[3], split + b * static_cast<int>(gridDim.y),
+           static_cast<unsigned long long>(trace_entry_ns), static_cast<unsigned long long>(trace_ns0),
+           static_cast<unsigned long long>(ns1));
   }
 #endif
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
