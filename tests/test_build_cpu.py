@@ -460,8 +460,8 @@ def test_diagnostic_module_name_stays_short_enough_for_nvcc():
     key = "mla_verify_h8_q9_kv512_rope64_ps1_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm90"
     two = (("MLAGEN_DST_RESCALE_SLACK", 8), ("MLAGEN_DST_RESCALE_FLAG", 0))
     assert diagnostic_module_name(key, two) == key + "_mlagen_dst_rescale_slack_8_mlagen_dst_rescale_flag_0"
-    four = two + (("MLAGEN_COMBINE_UNROLL", 16), ("MLAGEN_DST_EARLY_PAGES", 1))
-    four_b = two + (("MLAGEN_COMBINE_UNROLL", 8), ("MLAGEN_DST_EARLY_PAGES", 1))
+    four = two + (("MLAGEN_COMBINE_UNROLL", 16), ("MLAGEN_DST_HALF_K", 4))
+    four_b = two + (("MLAGEN_COMBINE_UNROLL", 8), ("MLAGEN_DST_HALF_K", 4))
     a, b = diagnostic_module_name(key, four), diagnostic_module_name(key, four_b)
     assert a != b and a == diagnostic_module_name(key, list(four))
     neg = diagnostic_module_name(key, (("MLAGEN_DST_RESCALE_SLACK", -1),))  # a value that is no identifier part

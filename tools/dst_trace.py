@@ -46,9 +46,7 @@ LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (
                   r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+))?")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
-         "output": ("stage", "-", "P^T", "-"),
-         # MLAGEN_DST_PRODUCER_PV: the producer warp's P V role (its waits for a free stage count as busy)
-         "producer": ("stage", "-", "P^T", "-")}
+         "output": ("stage", "-", "P^T", "-")}
 
 
 def parse(text: str) -> list[dict]:

@@ -28,7 +28,6 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <cuda_bf16.h>
 
 #include "mlagen/mla_verify_batch.cuh"
@@ -271,21 +270,6 @@ __device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& 
   return p.q + (static_cast<int64_t>(b) * q_len + qi) * p.q_stride_tok + static_cast<int64_t>(h) * p.q_stride_head;
 }
 
-// The page-table entry of producer lane `lane`'s token of `tile` (producer warp tokens from tok_p): 0 when that row does
-// not come from the table (lanes past the warp's tokens, positions past kv_len, draft rows read from k_new). The same
-// entry as dimsplit_produce_bf16's page_of (kept apart so that the shipped producers compile as before), for a caller
-// that requests the first tiles' entries early (MLAGEN_DST_EARLY_PAGES).
-template <class Cfg>
-__device__ __forceinline__ int32_t producer_page_entry(const MlaVerifyParams& p, const int32_t* page_row, int kv_len,
-                                                       int prefix_len, int tok_p, int lane, int tile) {
-  const int pos = tile * Cfg::kBlockN + tok_p + lane;
-  const bool from_table = lane < Cfg::kTokensPerProducer && pos < kv_len && !(p.k_new != nullptr && pos >= prefix_len);
-  if constexpr (kAblate & kAblateTable) {  // diagnostic: no table load, the entry that makes pos its own slot
-    return from_table ? (batch_is_direct(p) ? pos : pos / Cfg::kPageSize) : 0;
-  }
-  return from_table ? table_entry<Cfg::kPageSize>(p, page_row, pos) : 0;
-}
-
 // The bf16 producer warp(s) of a dimsplit-family kernel (warps kProducerWarp .. + kProducerWarps): this CTA's
 // half of every token row (latent [rank * kLatentHalf, +kLatentHalf), rope [kKvLoraRank + rank * kRopeHalf,
 // +kRopeHalf)) into stage i % kStages of the ring, once empty[stage] says every consumer warp is done with the
@@ -294,20 +278,11 @@ __device__ __forceinline__ int32_t producer_page_entry(const MlaVerifyParams& p,
 // page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
 // one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
 // Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
-// early (optional): the entries of the split's first two tiles, already requested by the caller
-// (producer_page_entry of tiles tile_begin and tile_begin + 1, 0 past num_tiles); nullptr: the producer requests them.
-// before_refill (optional): called as before_refill(i - kStages) ahead of tile i's wait on its stage (i >= kStages),
-// for a producer warp that also reads the ring (dimsplit_t with MLAGEN_DST_PRODUCER_PV: its P V step of the tile
-// that stage held, whose release that wait needs); the caller runs the split's last kStages steps after the return.
-struct NoRefillHook {
-  __device__ __forceinline__ void operator()(int) const {}
-};
-template <class Cfg, class BeforeRefill = NoRefillHook>
+template <class Cfg>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
                                                       int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
-                                                      uint64_t* empty_bar, const int32_t* early = nullptr,
-                                                      BeforeRefill before_refill = BeforeRefill{}) {
+                                                      uint64_t* empty_bar) {
   static_assert(!Cfg::kZeroFillTail || !Cfg::kBulkLoad, "the zero-filled tail is a cp.async-producer feature");
   // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
   const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
@@ -329,8 +304,8 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
                                          : new_row_slot(static_cast<int64_t>(b) * p.q_len + (pos - prefix_len));
     return reinterpret_cast<int64_t>(kv_row_src(p, slot));
   };
-  int32_t page_next = early != nullptr ? early[0] : page_of(tile_begin);
-  int32_t page_next2 = early != nullptr ? early[1] : num_tiles > 1 ? page_of(tile_begin + 1) : 0;
+  int32_t page_next = page_of(tile_begin);
+  int32_t page_next2 = num_tiles > 1 ? page_of(tile_begin + 1) : 0;
   // L2 prefetch kPf tiles ahead (Cfg::kL2PrefetchTiles; 0: none): before the ring wait of tile i, each lane
   // asks L2 for the 128-byte lines of its token's two halves in tile i + kPf (4 latent lines + the rope line),
   // so the copies issued once a stage frees read L2 rather than DRAM. The page entry is requested a tile early.
@@ -358,9 +333,6 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
       } else {
         page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
       }
-    }
-    if constexpr (!std::is_same<std::decay_t<BeforeRefill>, NoRefillHook>::value) {
-      if (i >= Cfg::kStages) before_refill(i - Cfg::kStages);
     }
     if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
     const int64_t slot = addr_of(tile, page_next);

@@ -148,22 +148,6 @@
 #define MLAGEN_DST_EPILOGUE 1
 #endif
 
-// MLAGEN_DST_EARLY_PAGES 0 (every shipped build): the bf16 producer requests its first two tiles' page-table entries
-// after the barrier setup and the cluster barrier; 1: before them (kv_len -> page entry -> first copies is the chain the
-// first MMA waits on; the entries' latency then overlaps the barrier set-up), for A/B timing (perf-notes v31d).
-#ifndef MLAGEN_DST_EARLY_PAGES
-#define MLAGEN_DST_EARLY_PAGES 0
-#endif
-
-// MLAGEN_DST_PRODUCER_PV 0 (every shipped build): 1, in bf16 builds of 3 score warps: the producer warp is also an
-// output role. Between its copies it runs the P V MMAs of 3 of the CTA's 16 output m16 tiles (its 48 dims), and the
-// output warps take 4 / 3 / 3 / 3 (4: warp 3, on the producer's scheduler). A step's HMMAs on the SM's 4 warp
-// schedulers (warp w on scheduler w % 4) go from 180 / 180 / 180 / 72 to 162 / 162 / 162 / 126 (perf-notes v33), for A/B
-// timing. Same sums in the same order: outputs bit-identical to the shipped build's.
-#ifndef MLAGEN_DST_PRODUCER_PV
-#define MLAGEN_DST_PRODUCER_PV 0
-#endif
-
 // MLAGEN_DST_RESCALE_SLACK -1 (every shipped build): the rescale slack N of MlaDimSplitTConfig::kRescaleSlack, 8 in
 // builds of 1 or 3 score warps and 0 in builds of 2 (there the slack's registers cost 4 B of spills on sm_90 at H1 q40).
 // With N = 0 a row's running max follows every new maximum, so the output warps rescale O^T (144 FMULs per thread) in
@@ -309,11 +293,6 @@ struct MlaDimSplitTConfig {
   static constexpr int kDimVCta = kLatentHalf;              // 256 output dims per CTA
   static constexpr int kDimVWarp = kDimVCta / kOutWarps;    // 64 per output warp
   static constexpr int kMTilesO = kDimVWarp / 16;           // m16 dim tiles per output warp
-  // MLAGEN_DST_PRODUCER_PV: the producer warp is output role kOutWarps (its dims after the output warps'); output warp 0
-  // (warp 3: the producer's scheduler with 3 score warps) keeps kMTilesO m16 tiles, the other roles kMTilesO - 1.
-  static constexpr bool kProducerPV = MLAGEN_DST_PRODUCER_PV != 0;
-  static constexpr int kPvWarps = kOutWarps + (kProducerPV ? 1 : 0);            // P V roles: arrivals on pempty
-  static constexpr int kStageReaders = kConsumerWarps + (kProducerPV ? 1 : 0);  // arrivals on empty[stage]
   // A score / output step is a whole stage: block_n 32 gives each score warp two m16 token tiles per step
   // (6 independent accumulators per K step, one softmax pass per 32 tokens), block_n 16 one (two
   // accumulator chains over the even / odd K steps instead).
@@ -401,11 +380,6 @@ struct MlaDimSplitTConfig {
                                           "halves per instruction, 16 tokens' rope halves)");
   static_assert(kDimV == 128 || kDimV == 256 || kDimV == 512, "the combine handles kv_lora_rank 128, 256 or 512");
   static_assert(!kBulkLoad || !kKvFp8, "dimsplit_t: the bulk producer (MLAGEN_DST_BULK) is bf16 only");
-  static_assert(!kProducerPV || (!kKvFp8 && !kBulkLoad && kRowTiles == 3 && kProducerWarps == 1 && kSubTiles == 1 &&
-                                 kProducerWarp == kFirstOutWarp + kOutWarps),
-                "MLAGEN_DST_PRODUCER_PV: bf16 cp.async builds of 3 score warps (the producer shares warp 3's scheduler)");
-  static_assert(!kProducerPV || kMTilesO + kOutWarps * (kMTilesO - 1) == kOutWarps * kMTilesO,
-                "MLAGEN_DST_PRODUCER_PV: the 5 output roles' m16 tiles must cover the CTA's 256 output dims");
   static_assert(kSmemBytes <= kSmemLimit_, "shared memory exceeds the per-block limit of the target archs");
   static_assert(kRegsScore <= 184 && kRegsOut <= 184, "register tiles would spill");
   static_assert(MergeShape<kThreads>::kSmemBytes <= kSmemKv, "the fused merge's scratch must fit in the KV ring");
@@ -524,21 +498,11 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   // Whether some step of this split holds draft keys or keys past kv_len (then masked, and its CTA reads the tree rows).
   const bool masked_split = w.tile_end * Cfg::kBlockN > prefix_len;
 
-#if MLAGEN_DST_EARLY_PAGES == 1
-  int32_t early_pages[2] = {0, 0};  // the bf16 producer's first two tiles' entries (dimsplit_produce_bf16's early)
-  static_assert(Cfg::kProducerWarps == 1, "MLAGEN_DST_EARLY_PAGES: one producer warp (its tokens start at 0)");
-  if constexpr (!Cfg::kKvFp8 && !Cfg::kBulkLoad) {
-    if (warp == Cfg::kProducerWarp) {
-      early_pages[0] = producer_page_entry<Cfg>(p, page_row, kv_len, prefix_len, 0, lane, tile_begin);
-      if (num_tiles > 1) early_pages[1] = producer_page_entry<Cfg>(p, page_row, kv_len, prefix_len, 0, lane, tile_begin + 1);
-    }
-  }
-#endif
   if (tid == 0) {
     for (int st = 0; st < Cfg::kConsStages; ++st) {
       // the producer's lanes (cp.async.mbarrier.arrive.noinc); fp8: the output warps' lane 0 (their conversion)
       ptx::mbarrier_init(full_bar + st, Cfg::kKvFp8 ? Cfg::kOutWarps : Cfg::kBulkLoad ? 1 : 32);
-      ptx::mbarrier_init(empty_bar + st, Cfg::kStageReaders);
+      ptx::mbarrier_init(empty_bar + st, Cfg::kConsumerWarps);
     }
     if constexpr (Cfg::kKvFp8) {
       for (int st = 0; st < Cfg::kStages; ++st) {
@@ -552,7 +516,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     if constexpr (Cfg::kTreeRowsSmem) ptx::mbarrier_init(tree_bar, 1);  // the first output warp's lane 0
     for (int i = 0; i < Cfg::kPBufs; ++i) {
       ptx::mbarrier_init(pfull_bar + i, Cfg::kScoreWarps);
-      ptx::mbarrier_init(pempty_bar + i, Cfg::kPvWarps);
+      ptx::mbarrier_init(pempty_bar + i, Cfg::kOutWarps);
     }
     ptx::fence_barrier_init();
   }
@@ -600,23 +564,17 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       if (lane == 0) ptx::mbarrier_arrive(empty_bar + (j / Cfg::kSubTiles) % Cfg::kConsStages);
     }
   };
-  // the bf16 producer's first page entries, when requested before the barrier set-up (MLAGEN_DST_EARLY_PAGES)
-#if MLAGEN_DST_EARLY_PAGES == 1
-  const int32_t* early = Cfg::kBulkLoad ? nullptr : early_pages;
-#else
-  const int32_t* early = nullptr;
-#endif
   constexpr uint32_t kStatBar = 1;  // named barrier: the score warps' final row sums -> the output warps
-  constexpr uint32_t kStatThreads = (Cfg::kScoreWarps + Cfg::kPvWarps) * 32;
+  constexpr uint32_t kStatThreads = Cfg::kConsumerWarps * 32;
 
 
-  if (warp == Cfg::kProducerWarp && !Cfg::kProducerPV) {
+  if (warp == Cfg::kProducerWarp) {
     if constexpr (Cfg::kKvFp8) {
       dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem,
                                 full8_bar, empty8_bar);
     } else {
       dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
-                                 full_bar, empty_bar, early);
+                                 full_bar, empty_bar);
     }
   } else if (warp < Cfg::kScoreWarps) {
     // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
@@ -957,11 +915,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     ptx::named_barrier_arrive(kStatBar, kStatThreads);
   } else {
     // ---- output warp ow: dims [64 ow, 64 ow + 64) of this CTA's 256 latent dims, every row of the block.
-    // MLAGEN_DST_PRODUCER_PV: the producer warp is ow = kOutWarps; ow 0 has dims [0, 64), the others the kMTilesO - 1
-    // m16 tiles from 3 ow + 1 (the producer [208, 256)).
     const int ow = warp - Cfg::kFirstOutWarp;
-    const int dim0 = !Cfg::kProducerPV ? ow * Cfg::kDimVWarp : ow == 0 ? 0 : (ow * (Cfg::kMTilesO - 1) + 1) * 16;
-    const int mt_count = Cfg::kProducerPV && ow != 0 ? Cfg::kMTilesO - 1 : Cfg::kMTilesO;  // this role's m16 tiles
+    const int dim0 = ow * Cfg::kDimVWarp;
     // O^T fragments (m16 dims x n8 rows): o[mt][nt][0] = (dim 16 mt + g, row 8 nt + 2 t4), [1] = (.., row + 1),
     // [2] = (dim + 8, row 8 nt + 2 t4), [3] = (dim + 8, row + 1).
     float o[Cfg::kMTilesO][Cfg::kRowNTiles][4];
@@ -1015,17 +970,11 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       }
     }
     trace_mark(false);
-    // One P V step per sub-tile j. Inline in a loop in shipped builds (as a lambda, even one called only there, it
-    // reorders ptxas's schedule of the score warps' loop: checked by PTX diff); MLAGEN_DST_PRODUCER_PV: a lambda that
-    // the producer warp also calls between its copies.
-#if MLAGEN_DST_PRODUCER_PV
-    auto pv_step = [&](auto kMTc, int j) {  // kMT: the role's m16 tiles (a compile-time count per loop body)
-      constexpr int kMT = decltype(kMTc)::value;
-#else
+    // One P V step per sub-tile j, inline in the loop (as a lambda, even one called only there, it reorders ptxas's
+    // schedule of the score warps' loop: perf-notes v33).
     constexpr int kMT = Cfg::kMTilesO;
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
-#endif
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
       const int buf = j % Cfg::kPBufs;
       traced(kTraceP, [&] { ptx::mbarrier_wait_parity(pfull_bar + buf, static_cast<uint32_t>(j / Cfg::kPBufs) & 1u); });
@@ -1084,26 +1033,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       if constexpr (Cfg::kKvFp8) {
         if (j + Cfg::kConsStages < num_sub) convert_tile(j + Cfg::kConsStages);  // into the stage j just left
       }
-#if MLAGEN_DST_PRODUCER_PV
-    };
-    using TilesFew = std::integral_constant<int, Cfg::kMTilesO - 1>;
-    if (warp == Cfg::kProducerWarp) {
-      // The P V step of tile i - kStages ahead of the copies of tile i (they wait for that step's release of its
-      // stage), then the split's last steps.
-      dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
-                                 full_bar, empty_bar, early, [&](int j) { pv_step(TilesFew{}, j); });
-#pragma unroll 1
-      for (int j = num_tiles > Cfg::kStages ? num_tiles - Cfg::kStages : 0; j < num_sub; ++j) pv_step(TilesFew{}, j);
-    } else if (ow == 0) {
-#pragma unroll 1
-      for (int j = 0; j < num_sub; ++j) pv_step(std::integral_constant<int, Cfg::kMTilesO>{}, j);
-    } else {
-#pragma unroll 1
-      for (int j = 0; j < num_sub; ++j) pv_step(TilesFew{}, j);
     }
-#else
-    }
-#endif
     trace_mark(true);
     // ---- epilogue: normalized partial O^T of this warp's dims (scores warps' row sums), rows < live_rows
     ptx::named_barrier_sync(kStatBar, kStatThreads);
@@ -1132,7 +1062,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           PartialT* o_row = o_base + static_cast<int64_t>(rl) * Cfg::kDimV;
 #pragma unroll
           for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
-            if (mt >= mt_count) break;
             if constexpr (kPartialPaired<PartialT>) {  // dims 16 mt + g, + 8: one 4-byte store
               store_partial_pair(o_row + mt * 16, g, o[mt][nt][e] * inv_l, o[mt][nt][2 + e] * inv_l);
             } else {
@@ -1145,13 +1074,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   }
   __syncwarp();
 #if MLAGEN_DST_TRACE
-  if (lane == 0 && blockIdx.x < 2 && (warp != Cfg::kProducerWarp || Cfg::kProducerPV)) {  // (PRODUCER_PV: a P V role)
+  if (lane == 0 && blockIdx.x < 2 && warp != Cfg::kProducerWarp) {
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
     printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu"
            " split %d entry %llu t0 %llu end %llu\n",
            static_cast<int>(blockIdx.x), warp,
-           warp < Cfg::kScoreWarps ? "score" : warp == Cfg::kProducerWarp ? "producer" : "output", num_sub,
+           warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
            static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
            w[0], w[1], w[2], w[3], split + b * static_cast<int>(gridDim.y),
