@@ -72,12 +72,12 @@ def test_a_launch_without_trace_lines_is_an_error():
 
 def test_timeline_from_stamped_lines_matches_a_direct_computation():
     """The launch timeline (perf-notes v35): per CTA, the start and cluster-barrier stamps it prints on every warp's
-    line and the last end of its warps; over the launches after the first."""
+    line and the last end of its warps; the score warps' Q-landed cycles; over the launches after the first."""
     rng = random.Random()
     assert dst_trace.timeline([dst_trace.parse(_launch(rng, 4)[1])] * 2) is None  # lines without stamps
     made, expect = [], []
     for _ in range(rng.randrange(2, 5)):
-        lines, ctas = [], {}
+        lines, ctas, qs = [], {}, []
         t_launch = rng.randrange(10**9, 2 * 10**9)
         for split in range(rng.randrange(2, 9)):
             for cta in (0, 1):
@@ -87,8 +87,11 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
                 for warp in range(7):
                     end = t0 + rng.randrange(3000, 20000)
                     ends.append(end)
+                    q = rng.randrange(500, 5000) if warp < 3 else 0
+                    if warp < 3:
+                        qs.append(q)
                     lines.append(_line(cta, warp, "score" if warp < 3 else "output", 3, 1000, 600, 10, 10, [1, 2, 3, 4])
-                                 + f" split {split} entry {entry} t0 {t0} end {end}")
+                                 + f" split {split} entry {entry} t0 {t0} end {end} q {q}")
                 ctas[(split, cta)] = (entry, t0, max(ends))
         rng.shuffle(lines)
         made.append("\n".join(lines) + "\n")
@@ -96,7 +99,7 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
         expect.append(dict(start_spread=max(entries) - min(entries),
                            to_barrier=sum(c[1] - c[0] for c in ctas.values()) / len(ctas),
                            cta_span=sum(c[2] - c[0] for c in ctas.values()) / len(ctas),
-                           span=max(c[2] for c in ctas.values()) - min(entries)))
+                           span=max(c[2] for c in ctas.values()) - min(entries), q_ready=sum(qs) / len(qs)))
     got = dst_trace.timeline([dst_trace.parse(t) for t in made])
-    for key in ("start_spread", "to_barrier", "cta_span", "span"):
+    for key in ("start_spread", "to_barrier", "cta_span", "span", "q_ready"):
         assert got[key] == pytest.approx(sum(e[key] for e in expect[1:]) / len(expect[1:]))

@@ -12,7 +12,8 @@ those clusters' CTAs and the role's warps:
   epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span);
 - the launch's timeline (%globaltimer ns): how far apart the CTAs start, a CTA's start to its cluster barrier, a
   CTA's start to its roles' end, and the first CTA's start to the last end (compare with the kernel's duration under
-  ncu: what lies outside is launch and exit).
+  ncu: what lies outside is launch and exit); and the cycles from the cluster barrier until a score warp's Q
+  fragments have all landed (against "before": Q or the first stage, whichever the first sub-tile waits for).
 
     python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
         [--per-warp]
@@ -43,7 +44,7 @@ from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (\d+) ns (\d+) before (\d+) "
-                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+))?")
+                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+) q (\d+))?")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
          "output": ("stage", "-", "P^T", "-")}
@@ -57,7 +58,7 @@ def parse(text: str) -> list[dict]:
         row = dict(cta=int(g[0]), warp=int(g[1]), role=g[2], sub=int(g[3]), cycles=int(g[4]), ns=int(g[5]),
                    before=int(g[6]), after=int(g[7]), wait=[int(x) for x in g[8:12]])
         if g[12] is not None:  # the launch's timeline (absolute %globaltimer ns)
-            row.update(split=int(g[12]), entry=int(g[13]), t0=int(g[14]), end=int(g[15]))
+            row.update(split=int(g[12]), entry=int(g[13]), t0=int(g[14]), end=int(g[15]), q=int(g[16]))
         rows.append(row)
     return rows
 
@@ -66,7 +67,8 @@ def timeline(launches: list[list[dict]]) -> dict | None:
     """The launch's timeline from the printed %globaltimer stamps, in ns, mean over every launch but the first
     (unless there is one): ``start_spread`` (last CTA start - first), ``to_barrier`` (a CTA's start to its cluster
     barrier, mean over CTAs), ``cta_span`` (a CTA's start to its last traced role's end, mean), ``span`` (first CTA
-    start to the last role's end). None when the lines carry no stamps (a build older than perf-notes v35)."""
+    start to the last role's end), ``q_ready`` (cycles from the cluster barrier until a score warp's Q fragments have
+    all landed, mean over score warps). None when the lines carry no stamps (a build older than perf-notes v35)."""
     use = launches[1:] if len(launches) > 1 else launches
     if not use or any(not rows or "entry" not in rows[0] for rows in use):
         return None
@@ -81,7 +83,8 @@ def timeline(launches: list[list[dict]]) -> dict | None:
         per.append(dict(start_spread=max(entries) - min(entries),
                         to_barrier=statistics.fmean(c[1] - c[0] for c in ctas.values()),
                         cta_span=statistics.fmean(c[2] - c[0] for c in ctas.values()),
-                        span=max(c[2] for c in ctas.values()) - min(entries)))
+                        span=max(c[2] for c in ctas.values()) - min(entries),
+                        q_ready=statistics.fmean(r["q"] for r in rows if r["role"] == "score")))
     return {k: statistics.fmean(x[k] for x in per) for k in per[0]}
 
 
@@ -191,7 +194,8 @@ def main() -> int:
             if tl is not None:
                 print(f"timeline (ns, eager launch, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
                       f"a CTA's start to its cluster barrier {tl['to_barrier']:.0f}; a CTA's start to its last role's "
-                      f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}", flush=True)
+                      f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}; score warps' Q "
+                      f"landed {tl['q_ready']:.0f} cycles after the cluster barrier", flush=True)
     return 0
 
 

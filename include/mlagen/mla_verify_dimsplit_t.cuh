@@ -114,7 +114,8 @@
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
 // cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), the
 // cycles inside each of its waits (perf-notes v28), and the absolute %globaltimer ns of its CTA's start, of the cluster
-// barrier and of its role's end (the launch's timeline, perf-notes v35).
+// barrier and of its role's end (the launch's timeline), and for the score warps the cycles from the cluster barrier
+// until every Q fragment has landed (perf-notes v35).
 #ifndef MLAGEN_DST_TRACE
 #define MLAGEN_DST_TRACE 0
 #endif
@@ -537,6 +538,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   __syncwarp();
   const uint64_t trace_t0 = ptx::clock64_cycles(), trace_ns0 = ptx::globaltimer_ns();
   uint64_t trace_first = 0, trace_last = 0;  // cycles at the first sub-tile's start and after the last one
+  uint64_t trace_q = 0;  // score warps: cycles at which every Q fragment of the thread has landed
 #endif
   auto traced = [&](int slot, auto&& wait) {  // wait(); timed in MLAGEN_DST_TRACE builds
 #if MLAGEN_DST_TRACE
@@ -595,6 +597,19 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         q_frag[ks][nt][1] = row_ok ? *reinterpret_cast<const uint32_t*>(q_row + dim + 8 + 2 * t4) : 0u;
       }
     }
+#if MLAGEN_DST_TRACE
+    {  // the trace's Q stamp: a shared store of a value that depends on every fragment issues only once all of the
+       // loads have landed, and the clock read issues after it (in order)
+      __shared__ uint32_t trace_q_sink[Cfg::kThreads / 32];
+      uint32_t q_all = 0u;
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kKSteps; ++ks)
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kNTilesS; ++nt) q_all ^= q_frag[ks][nt][0] ^ q_frag[ks][nt][1];
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(ptx::smem_u32(trace_q_sink + warp)), "r"(q_all) : "memory");
+      trace_q = ptx::clock64_cycles();
+    }
+#endif
     // Per row (n8 tile nt, column parity e = row 2 t4 + e): running max (log2 units), this thread's share of
     // the running sum (its tokens g and g + 8 of every sub-tile).
     float m_run[Cfg::kNTilesS][2], l_run[Cfg::kNTilesS][2];
@@ -1078,14 +1093,15 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
     printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu"
-           " split %d entry %llu t0 %llu end %llu\n",
+           " split %d entry %llu t0 %llu end %llu q %llu\n",
            static_cast<int>(blockIdx.x), warp,
            warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
            static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
            w[0], w[1], w[2], w[3], split + b * static_cast<int>(gridDim.y),
            static_cast<unsigned long long>(trace_entry_ns), static_cast<unsigned long long>(trace_ns0),
-           static_cast<unsigned long long>(ns1));
+           static_cast<unsigned long long>(ns1),
+           static_cast<unsigned long long>(trace_q != 0 ? trace_q - trace_t0 : 0));
   }
 #endif
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
