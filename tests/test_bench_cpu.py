@@ -532,6 +532,24 @@ def test_device_session_refuses_an_unknown_mode_before_any_setup(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("defines, msg", [(None, "give AB_DEFINES"), ("   ", "give AB_DEFINES"),
+                                          ("FOO", "'FOO' is not NAME=V0,V1"), ("FOO=1", "'FOO=1' is not NAME=V0,V1"),
+                                          ("A=0,1 B=1,", "'B=1,' is not NAME=V0,V1"), ("1X=0,1", "'1X=0,1' is not")])
+def test_device_session_ab_refuses_bad_defines_before_any_setup(tmp_path, defines, msg):
+    """`device_session.sh ab` checks AB_DEFINES (words NAME=V0,V1[,..]) before device_env.sh runs: one line, exit 2,
+    no $OUT, so a malformed A/B costs no device time on wheels, the install or KTESTS' GPU tests."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "AB_DEFINES"}
+    env.update(OUT=str(out), KTESTS="x")
+    if defines is not None:
+        env["AB_DEFINES"] = defines
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "device_session.sh"), "ab"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and msg in r.stderr
+    assert not out.exists()
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would build and run the variant")
 def test_device_profile_needs_a_gpu_in_one_line():
     """tools/device_profile.py without a GPU: one line and exit 1, not a traceback from torch's CUDA generator."""

@@ -1,6 +1,7 @@
 """CPU tests of tools/dst_trace.py: the MLAGEN_DST_TRACE lines (the format printed by
 include/mlagen/mla_verify_dimsplit_t.cuh) parsed and averaged per role, on random lines made here."""
 
+import math
 import random
 import sys
 from pathlib import Path
@@ -71,8 +72,10 @@ def test_a_launch_without_trace_lines_is_an_error():
 
 
 def test_timeline_from_stamped_lines_matches_a_direct_computation():
-    """The launch timeline (perf-notes v35): per CTA, the start and cluster-barrier stamps it prints on every warp's
-    line and the last end of its warps; the score warps' Q-landed cycles; over the launches after the first."""
+    """The launch timeline (perf-notes v35): per CTA, the earliest start and cluster-barrier stamps of its warps' lines
+    (each warp reads the clocks itself; the lines come shuffled) and the last end of its warps; the score warps'
+    Q-landed cycles; over the launches after the first. Lines without stamps anywhere give None, a launch without score
+    lines a NaN Q-landed time."""
     rng = random.Random()
     assert dst_trace.timeline([dst_trace.parse(_launch(rng, 4)[1])] * 2) is None  # lines without stamps
     made, expect = [], []
@@ -84,14 +87,16 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
                 entry = t_launch + rng.randrange(0, 3000)
                 t0 = entry + rng.randrange(200, 2000)
                 ends = []
-                for warp in range(7):
+                for warp in range(7):  # each warp's own reads of the CTA's start and barrier: up to 40 ns later
                     end = t0 + rng.randrange(3000, 20000)
                     ends.append(end)
                     q = rng.randrange(500, 5000) if warp < 3 else 0
                     if warp < 3:
                         qs.append(q)
+                    w_entry = entry + (0 if warp == 6 else rng.randrange(0, 40))
+                    w_t0 = t0 + (0 if warp == 2 else rng.randrange(0, 40))
                     lines.append(_line(cta, warp, "score" if warp < 3 else "output", 3, 1000, 600, 10, 10, [1, 2, 3, 4])
-                                 + f" split {split} entry {entry} t0 {t0} end {end} q {q}")
+                                 + f" split {split} entry {w_entry} t0 {w_t0} end {end} q {q}")
                 ctas[(split, cta)] = (entry, t0, max(ends))
         rng.shuffle(lines)
         made.append("\n".join(lines) + "\n")
@@ -103,3 +108,11 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
     got = dst_trace.timeline([dst_trace.parse(t) for t in made])
     for key in ("start_spread", "to_barrier", "cta_span", "span", "q_ready"):
         assert got[key] == pytest.approx(sum(e[key] for e in expect[1:]) / len(expect[1:]))
+    # one line without stamps among stamped ones: None (not a KeyError), whichever comes first
+    stamped = dst_trace.parse(made[0])
+    plain = dst_trace.parse(_launch(rng, 3)[1])
+    assert dst_trace.timeline([stamped, stamped + plain[:1]]) is None
+    assert dst_trace.timeline([stamped, plain[:1] + stamped]) is None
+    outputs_only = [r for r in stamped if r["role"] == "output"]
+    tl = dst_trace.timeline([outputs_only])
+    assert tl is not None and math.isnan(tl["q_ready"]) and tl["span"] > 0

@@ -48,7 +48,13 @@ esac
 case "${1:-tests}" in  # what a mode needs, also before the set-up
   grid) [ -n "${HEADS:-}" ] || { echo "device_session.sh grid: give HEADS=8 (or 16,64)" >&2; exit 2; } ;;
   schedule) [ -n "${KERNELS:-}" ] || { echo "device_session.sh schedule: give KERNELS=globs" >&2; exit 2; } ;;
-  ab) [ -n "${AB_DEFINES:-}" ] || { echo "device_session.sh ab: give AB_DEFINES=\"NAME=V0,V1 ..\"" >&2; exit 2; } ;;
+  ab) n=0  # every word NAME=V0,V1[,..] (the builds zipped), at least one; before the set-up, as a wrong mode
+      for d in ${AB_DEFINES:-}; do
+        [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^,]+(,[^,]+)+$ ]] || {
+          echo "device_session.sh ab: '$d' is not NAME=V0,V1[,..] (AB_DEFINES)" >&2; exit 2; }
+        n=$((n + 1))
+      done
+      [ "$n" -gt 0 ] || { echo "device_session.sh ab: give AB_DEFINES=\"NAME=V0,V1 ..\"" >&2; exit 2; } ;;
 esac
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import math
 import os
 import re
 import statistics
@@ -68,23 +69,26 @@ def timeline(launches: list[list[dict]]) -> dict | None:
     (unless there is one): ``start_spread`` (last CTA start - first), ``to_barrier`` (a CTA's start to its cluster
     barrier, mean over CTAs), ``cta_span`` (a CTA's start to its last traced role's end, mean), ``span`` (first CTA
     start to the last role's end), ``q_ready`` (cycles from the cluster barrier until a score warp's Q fragments have
-    all landed, mean over score warps). None when the lines carry no stamps (a build older than perf-notes v35)."""
+    all landed, mean over score warps; NaN without score lines). Each warp reads the clocks itself, so a CTA's start
+    and barrier are the earliest of its warps' stamps (the lines come in any order). Only the CTAs of row block 0
+    print: with one row block (e.g. H8 q_len 9) that is the whole launch. None when some line carries no stamps (a
+    build older than perf-notes v35)."""
     use = launches[1:] if len(launches) > 1 else launches
-    if not use or any(not rows or "entry" not in rows[0] for rows in use):
+    if not use or any(not rows or any("entry" not in r for r in rows) for rows in use):
         return None
     per = []
     for rows in use:
-        ctas = {}  # (split, cta) -> (entry, t0, last end of its traced warps)
+        ctas = {}  # (split, cta) -> [earliest entry, earliest barrier, last end] over its traced warps
         for r in rows:
-            key = (r["split"], r["cta"])
-            e, t, end = ctas.get(key, (r["entry"], r["t0"], 0))
-            ctas[key] = (e, t, max(end, r["end"]))
+            c = ctas.setdefault((r["split"], r["cta"]), [r["entry"], r["t0"], r["end"]])
+            c[0], c[1], c[2] = min(c[0], r["entry"]), min(c[1], r["t0"]), max(c[2], r["end"])
         entries = [c[0] for c in ctas.values()]
+        q = [r["q"] for r in rows if r["role"] == "score"]
         per.append(dict(start_spread=max(entries) - min(entries),
                         to_barrier=statistics.fmean(c[1] - c[0] for c in ctas.values()),
                         cta_span=statistics.fmean(c[2] - c[0] for c in ctas.values()),
                         span=max(c[2] for c in ctas.values()) - min(entries),
-                        q_ready=statistics.fmean(r["q"] for r in rows if r["role"] == "score")))
+                        q_ready=statistics.fmean(q) if q else math.nan))
     return {k: statistics.fmean(x[k] for x in per) for k in per[0]}
 
 

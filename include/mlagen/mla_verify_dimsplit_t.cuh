@@ -387,11 +387,11 @@ struct MlaDimSplitTConfig {
   static_assert(!(kFusedMerge && kPartialBf16), "the fused merge reads fp32 partials (MLAGEN_DST_PARTIAL_BF16 0)");
 };
 
-// O^T *= alpha per row (n index) over the first kMT m16 tiles: the output warps' rescale when some row max moved.
-template <int kMT, int kMTiles, int kN>
+// O^T *= alpha per row (n index): the output warps' rescale when some row max moved.
+template <int kMTiles, int kN>
 __device__ __forceinline__ void dimsplit_t_rescale_o(float (&o)[kMTiles][kN][4], const float2 (&alpha)[kN]) {
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
       o[mt][nt][0] *= alpha[nt].x;
@@ -987,7 +987,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     trace_mark(false);
     // One P V step per sub-tile j, inline in the loop (as a lambda, even one called only there, it reorders ptxas's
     // schedule of the score warps' loop: perf-notes v33).
-    constexpr int kMT = Cfg::kMTilesO;
 #pragma unroll 1
     for (int j = 0; j < num_sub; ++j) {
       wait_full(j);  // (already implied by pfull through the score warps; keeps the stage's visibility local)
@@ -1002,7 +1001,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           for (int nt = 0; nt < Cfg::kRowNTiles; ++nt) {
             alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
           }
-          dimsplit_t_rescale_o<kMT>(o, alpha);
+          dimsplit_t_rescale_o(o, alpha);
         }
       } else {
         bool unit = true;
@@ -1011,7 +1010,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
           alpha[nt] = *reinterpret_cast<const float2*>(alpha_in + nt * 8 + 2 * t4);
           unit = unit && alpha[nt].x == 1.f && alpha[nt].y == 1.f;
         }
-        if (!__all_sync(0xffffffffu, unit)) dimsplit_t_rescale_o<kMT>(o, alpha);  // some row max moved
+        if (!__all_sync(0xffffffffu, unit)) dimsplit_t_rescale_o(o, alpha);  // some row max moved
       }
 #pragma unroll
       for (int kt = 0; kt < ((kAblate & kAblatePV) ? 0 : Cfg::kMTilesS); ++kt) {  // k16 steps over the tokens
@@ -1035,7 +1034,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
         }
         const __nv_bfloat16* v_src = sub_kv(j) + (kt * 16 + v_tok) * Cfg::kKvRowElems + dim0 + v_dim;
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < Cfg::kMTilesO; ++mt) {
           uint32_t va[4];
           ptx::ldmatrix_x4_trans(va, v_src + mt * 16);
 #pragma unroll
