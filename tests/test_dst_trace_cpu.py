@@ -80,7 +80,7 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
     assert dst_trace.timeline([dst_trace.parse(_launch(rng, 4)[1])] * 2) is None  # lines without stamps
     made, expect = [], []
     for _ in range(rng.randrange(2, 5)):
-        lines, ctas, qs = [], {}, []
+        lines, ctas, qs, s0s = [], {}, [], []
         t_launch = rng.randrange(10**9, 2 * 10**9)
         for split in range(rng.randrange(2, 9)):
             for cta in (0, 1):
@@ -91,12 +91,14 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
                     end = t0 + rng.randrange(3000, 20000)
                     ends.append(end)
                     q = rng.randrange(500, 5000) if warp < 3 else 0
+                    s0 = q + rng.randrange(0, 3000) if warp < 3 else 0
                     if warp < 3:
                         qs.append(q)
+                        s0s.append(s0)
                     w_entry = entry + (0 if warp == 6 else rng.randrange(0, 40))
                     w_t0 = t0 + (0 if warp == 2 else rng.randrange(0, 40))
                     lines.append(_line(cta, warp, "score" if warp < 3 else "output", 3, 1000, 600, 10, 10, [1, 2, 3, 4])
-                                 + f" split {split} entry {w_entry} t0 {w_t0} end {end} q {q}")
+                                 + f" split {split} entry {w_entry} t0 {w_t0} end {end} q {q} s0 {s0}")
                 ctas[(split, cta)] = (entry, t0, max(ends))
         rng.shuffle(lines)
         made.append("\n".join(lines) + "\n")
@@ -104,9 +106,10 @@ def test_timeline_from_stamped_lines_matches_a_direct_computation():
         expect.append(dict(start_spread=max(entries) - min(entries),
                            to_barrier=sum(c[1] - c[0] for c in ctas.values()) / len(ctas),
                            cta_span=sum(c[2] - c[0] for c in ctas.values()) / len(ctas),
-                           span=max(c[2] for c in ctas.values()) - min(entries), q_ready=sum(qs) / len(qs)))
+                           span=max(c[2] for c in ctas.values()) - min(entries), q_ready=sum(qs) / len(qs),
+                           s0_ready=sum(s0s) / len(s0s)))
     got = dst_trace.timeline([dst_trace.parse(t) for t in made])
-    for key in ("start_spread", "to_barrier", "cta_span", "span", "q_ready"):
+    for key in ("start_spread", "to_barrier", "cta_span", "span", "q_ready", "s0_ready"):
         assert got[key] == pytest.approx(sum(e[key] for e in expect[1:]) / len(expect[1:]))
     # one line without stamps among stamped ones: None (not a KeyError), whichever comes first
     stamped = dst_trace.parse(made[0])

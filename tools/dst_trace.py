@@ -13,7 +13,7 @@ those clusters' CTAs and the role's warps:
 - the launch's timeline (%globaltimer ns): how far apart the CTAs start, a CTA's start to its cluster barrier, a
   CTA's start to its roles' end, and the first CTA's start to the last end (compare with the kernel's duration under
   ncu: what lies outside is launch and exit); and the cycles from the cluster barrier until a score warp's Q
-  fragments have all landed (against "before": Q or the first stage, whichever the first sub-tile waits for).
+  fragments have all landed, then until the first stage has (which of the two the first sub-tile waits for).
 
     python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
         [--per-warp]
@@ -45,7 +45,7 @@ from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
 LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (\d+) ns (\d+) before (\d+) "
-                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+) q (\d+))?")
+                  r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+) q (\d+) s0 (\d+))?")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
          "output": ("stage", "-", "P^T", "-")}
@@ -59,7 +59,8 @@ def parse(text: str) -> list[dict]:
         row = dict(cta=int(g[0]), warp=int(g[1]), role=g[2], sub=int(g[3]), cycles=int(g[4]), ns=int(g[5]),
                    before=int(g[6]), after=int(g[7]), wait=[int(x) for x in g[8:12]])
         if g[12] is not None:  # the launch's timeline (absolute %globaltimer ns)
-            row.update(split=int(g[12]), entry=int(g[13]), t0=int(g[14]), end=int(g[15]), q=int(g[16]))
+            row.update(split=int(g[12]), entry=int(g[13]), t0=int(g[14]), end=int(g[15]), q=int(g[16]),
+                       s0=int(g[17]))
         rows.append(row)
     return rows
 
@@ -69,7 +70,8 @@ def timeline(launches: list[list[dict]]) -> dict | None:
     (unless there is one): ``start_spread`` (last CTA start - first), ``to_barrier`` (a CTA's start to its cluster
     barrier, mean over CTAs), ``cta_span`` (a CTA's start to its last traced role's end, mean), ``span`` (first CTA
     start to the last role's end), ``q_ready`` (cycles from the cluster barrier until a score warp's Q fragments have
-    all landed, mean over score warps; NaN without score lines). Each warp reads the clocks itself, so a CTA's start
+    all landed, mean over score warps; NaN without score lines), ``s0_ready`` (the same until the first stage has landed
+    too: the score warps wait for Q first, then for the stage). Each warp reads the clocks itself, so a CTA's start
     and barrier are the earliest of its warps' stamps (the lines come in any order). Only the CTAs of row block 0
     print: with one row block (e.g. H8 q_len 9) that is the whole launch. None when some line carries no stamps (a
     build older than perf-notes v35)."""
@@ -84,11 +86,13 @@ def timeline(launches: list[list[dict]]) -> dict | None:
             c[0], c[1], c[2] = min(c[0], r["entry"]), min(c[1], r["t0"]), max(c[2], r["end"])
         entries = [c[0] for c in ctas.values()]
         q = [r["q"] for r in rows if r["role"] == "score"]
+        s0 = [r["s0"] for r in rows if r["role"] == "score"]
         per.append(dict(start_spread=max(entries) - min(entries),
                         to_barrier=statistics.fmean(c[1] - c[0] for c in ctas.values()),
                         cta_span=statistics.fmean(c[2] - c[0] for c in ctas.values()),
                         span=max(c[2] for c in ctas.values()) - min(entries),
-                        q_ready=statistics.fmean(q) if q else math.nan))
+                        q_ready=statistics.fmean(q) if q else math.nan,
+                        s0_ready=statistics.fmean(s0) if s0 else math.nan))
     return {k: statistics.fmean(x[k] for x in per) for k in per[0]}
 
 
@@ -199,7 +203,8 @@ def main() -> int:
                 print(f"timeline (ns, eager launch, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
                       f"a CTA's start to its cluster barrier {tl['to_barrier']:.0f}; a CTA's start to its last role's "
                       f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}; score warps' Q "
-                      f"landed {tl['q_ready']:.0f} cycles after the cluster barrier", flush=True)
+                      f"landed {tl['q_ready']:.0f} and the first stage {tl['s0_ready']:.0f} cycles after the cluster "
+                      f"barrier", flush=True)
     return 0
 
 

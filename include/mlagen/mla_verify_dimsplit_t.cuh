@@ -115,7 +115,7 @@
 // cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), the
 // cycles inside each of its waits (perf-notes v28), and the absolute %globaltimer ns of its CTA's start, of the cluster
 // barrier and of its role's end (the launch's timeline), and for the score warps the cycles from the cluster barrier
-// until every Q fragment has landed (perf-notes v35).
+// until every Q fragment has landed and until the first stage has (perf-notes v35).
 #ifndef MLAGEN_DST_TRACE
 #define MLAGEN_DST_TRACE 0
 #endif
@@ -532,13 +532,12 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   // MLAGEN_DST_TRACE: per warp, cycles inside each wait kind (slots kTrace*), summed by lane 0 in shared memory
   constexpr int kTraceStage = 0, kTracePeer = 1, kTraceP = 2, kTraceXEmpty = 3;
 #if MLAGEN_DST_TRACE
-  constexpr int kTraceSlots = 4;
+  constexpr int kTraceSlots = 6;  // the 4 wait kinds; score warps: cycles until Q (4) / the first stage (5) landed
   __shared__ unsigned long long trace_wait_smem[Cfg::kThreads / 32][kTraceSlots];
   if (lane < kTraceSlots) trace_wait_smem[warp][lane] = 0ull;
   __syncwarp();
   const uint64_t trace_t0 = ptx::clock64_cycles(), trace_ns0 = ptx::globaltimer_ns();
   uint64_t trace_first = 0, trace_last = 0;  // cycles at the first sub-tile's start and after the last one
-  uint64_t trace_q = 0;  // score warps: cycles at which every Q fragment of the thread has landed
 #endif
   auto traced = [&](int slot, auto&& wait) {  // wait(); timed in MLAGEN_DST_TRACE builds
 #if MLAGEN_DST_TRACE
@@ -607,7 +606,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt) q_all ^= q_frag[ks][nt][0] ^ q_frag[ks][nt][1];
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(ptx::smem_u32(trace_q_sink + warp)), "r"(q_all) : "memory");
-      trace_q = ptx::clock64_cycles();
+      if (lane == 0) trace_wait_smem[warp][4] = ptx::clock64_cycles() - trace_t0;
     }
 #endif
     // Per row (n8 tile nt, column parity e = row 2 t4 + e): running max (log2 units), this thread's share of
@@ -787,6 +786,9 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     Acc s_cur, s_next, s_odd;
     trace_mark(false);
     wait_full(0);
+#if MLAGEN_DST_TRACE
+    if (lane == 0) trace_wait_smem[warp][5] = ptx::clock64_cycles() - trace_t0;  // the first stage (and Q) landed
+#endif
     zero_acc(s_cur, s_odd);
 #pragma unroll
     for (int ks = 0; ks < Cfg::kKSteps; ++ks) mma_kstep(0, ks, s_cur, s_odd);
@@ -1092,7 +1094,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
     printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu"
-           " split %d entry %llu t0 %llu end %llu q %llu\n",
+           " split %d entry %llu t0 %llu end %llu q %llu s0 %llu\n",
            static_cast<int>(blockIdx.x), warp,
            warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
@@ -1100,7 +1102,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
            w[0], w[1], w[2], w[3], split + b * static_cast<int>(gridDim.y),
            static_cast<unsigned long long>(trace_entry_ns), static_cast<unsigned long long>(trace_ns0),
            static_cast<unsigned long long>(ns1),
-           static_cast<unsigned long long>(trace_q != 0 ? trace_q - trace_t0 : 0));
+           w[4], w[5]);
   }
 #endif
   ptx::cluster_sync();  // no CTA leaves while its peer may still address its shared memory
