@@ -163,6 +163,17 @@ def check_build(v: Variant, outputs: dict) -> tuple[dict, str | None]:
     return res, None
 
 
+def build_with_defines(v: Variant, defines, out_dir: Path) -> tuple[str, Path]:
+    """A diagnostic build of ``v``: (module name, .so path) of its rendered source with ``#define NAME VALUE`` ahead
+    for each (NAME, VALUE) of ``defines``, compiled into ``out_dir`` (never the registry), named by
+    :func:`mlagen.ninja_gen.diagnostic_module_name`; nothing is recompiled while its build key is unchanged
+    (:func:`mlagen.ninja_gen.compile_diagnostic`, which raises RuntimeError with nvcc's output on a failed compile).
+    Used by tools/device_ab_define.py (and the tools built on it) and the GPU tests of diagnostic builds."""
+    mod = ninja_gen.diagnostic_module_name(v.build_key, defines)
+    src = "".join(f"#define {name} {value}\n" for name, value in defines) + codegen.render_variant(v, mod)
+    return mod, ninja_gen.compile_diagnostic(v, src, mod, out_dir)
+
+
 def _installed_so(key: str, source_hash: str) -> Path:
     return paths.so_dir() / f"{key}.{source_hash[:16]}{ninja_gen.ext_suffix()}"
 

@@ -243,6 +243,10 @@ def main() -> None:
     """Generate, build, verify and benchmark specialized MLA verify-attention kernels."""
 
 
+# The hint for a uri or --kernels glob that is (part of) a module name, i.e. a build key without the split count.
+_MODULE_NAME_HINT = " (that looks like a module name: a variant uri also carries its split count, _nsN_ or _nsauto_)"
+
+
 def _feasible_selection(spec: Spec, spec_path: str, kernels: str | None) -> tuple[list, list]:
     """(feasible, dropped) variants of ``spec`` matching ``kernels``, for `generate` and `build`: the toolchain checked
     (one line if missing or old) and the dropped ones listed, both before anything is written.
@@ -255,10 +259,8 @@ def _feasible_selection(spec: Spec, spec_path: str, kernels: str | None) -> tupl
 
     selected = filter_by_glob(spec.variants(), kernels)
     if not selected:
-        hint = ""
-        if kernels and re.search(r"ps\d+_lw", kernels):  # copied from a module name (generate / build print them)
-            hint = (" (that looks like part of a module name: a variant uri also carries its split count after the"
-                    " page size, _nsN_ or _nsauto_)")
+        # a glob copied from a module name (generate / build print them): no _nsN_ between page size and load width
+        hint = _MODULE_NAME_HINT if kernels and re.search(r"ps\d+_lw", kernels) else ""
         raise click.ClickException(f"no variant of {spec.name} matches --kernels {short_repr(kernels)}{hint}")
     ok, bad = feasibility.split_feasible(selected)
     if ok:
@@ -578,7 +580,7 @@ def show(uri: str) -> None:
     if row is None:
         hint = ""
         if "_ns" not in uri and uri.startswith("mla_verify_"):  # a module name (build key), as build prints
-            hint = " (that looks like a module name: a variant uri also carries its split count, _nsN_ or _nsauto_)"
+            hint = _MODULE_NAME_HINT
         shown = repr(uri) if len(uri) <= 300 else short_repr(uri)  # a uri whole, so the mistyped part shows
         raise click.ClickException(f"unknown variant {shown}{hint}; see `mlagen list`")
     ver = reg.last_verification(uri, row["source_hash"])

@@ -467,3 +467,27 @@ def test_diagnostic_module_name_stays_short_enough_for_nvcc():
     neg = diagnostic_module_name(key, (("MLAGEN_DST_RESCALE_SLACK", -1),))  # a value that is no identifier part
     for name in (a, b, neg):
         assert name.startswith(key + "_d") and len(name) <= 160 and name.isidentifier()
+
+
+def test_build_with_defines_puts_the_defines_ahead_of_the_rendered_module(tmp_path, monkeypatch):
+    """mlagen.build.build_with_defines (the diagnostic tools' and GPU tests' builds): ``#define NAME VALUE`` lines in
+    order ahead of the variant's rendered source, under the module name diagnostic_module_name gives, which the
+    rendered module also declares; the compile goes through compile_diagnostic into the given directory."""
+    from mlagen import build as build_mod
+    from mlagen.codegen import render_variant
+    from mlagen.ninja_gen import diagnostic_module_name
+    from mlagen.spec import Variant
+
+    v = Variant.from_uri("mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90")
+    seen = {}
+
+    def fake_compile(var, src, mod, out_dir):
+        seen.update(var=var, src=src, mod=mod, out_dir=out_dir)
+        return out_dir / f"{mod}.so"
+
+    monkeypatch.setattr(build_mod.ninja_gen, "compile_diagnostic", fake_compile)
+    defines = (("MLAGEN_DST_TRACE", 1), ("MLAGEN_DST_RESCALE_SLACK", -1))
+    mod, so = build_mod.build_with_defines(v, defines, tmp_path)
+    assert mod == diagnostic_module_name(v.build_key, defines) and so == tmp_path / f"{mod}.so"
+    assert seen["src"] == "#define MLAGEN_DST_TRACE 1\n#define MLAGEN_DST_RESCALE_SLACK -1\n" + render_variant(v, mod)
+    assert seen["var"] is v and seen["out_dir"] == tmp_path and mod in seen["src"]

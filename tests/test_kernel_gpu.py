@@ -312,8 +312,7 @@ def _build_with_defines(jobs, out_dir):
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
-    from mlagen.codegen import render_variant
-    from mlagen.ninja_gen import compile_diagnostic, diagnostic_module_name
+    from mlagen.build import build_with_defines
     from mlagen.ops import VerifyKernel
     from mlagen.spec import Variant
 
@@ -322,9 +321,8 @@ def _build_with_defines(jobs, out_dir):
     def build(job):
         uri, defines = job
         v = dataclasses.replace(Variant.from_uri(uri), archs=(f"sm_{major}{minor}",))
-        mod = diagnostic_module_name(v.build_key, defines)
-        src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
-        return VerifyKernel(v, compile_diagnostic(v, src, mod, out_dir), mod)
+        mod, so = build_with_defines(v, defines, out_dir)
+        return VerifyKernel(v, so, mod)
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(build, jobs))

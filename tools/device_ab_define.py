@@ -40,8 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlagen.bench import Shape, bench_kernel, make_problem  # noqa: E402
-from mlagen.codegen import render_variant  # noqa: E402
-from mlagen.ninja_gen import compile_diagnostic, diagnostic_module_name  # noqa: E402
+from mlagen.build import build_with_defines  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -55,11 +54,9 @@ def diagnostic_dir() -> Path:
 
 
 def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
-    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines`` (nothing
-    recompiled while its build key is unchanged: mlagen.ninja_gen.compile_diagnostic)."""
-    mod = diagnostic_module_name(v.build_key, defines)  # (hashed where the defines make it too long for nvcc)
-    src = "".join(f"#define {name} {value}\n" for name, value in defines) + render_variant(v, mod)
-    return mod, compile_diagnostic(v, src, mod, out_dir)
+    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines``
+    (:func:`mlagen.build.build_with_defines`)."""
+    return build_with_defines(v, defines, out_dir)
 
 
 def main() -> int:
