@@ -550,6 +550,20 @@ def test_device_session_ab_refuses_bad_defines_before_any_setup(tmp_path, define
     assert not out.exists()
 
 
+@pytest.mark.parametrize("trace_defines, msg", [("FOO", "'FOO' is not NAME=VALUE"), ("A=1 B=0,1", "'B=0,1' is not"),
+                                                 ("A=", "'A=' is not")])
+@pytest.mark.parametrize("mode", ["ab", "trace"])
+def test_device_session_refuses_bad_trace_defines_before_any_setup(tmp_path, trace_defines, msg, mode):
+    """`device_session.sh trace` and `ab` check TRACE_DEFINES (words NAME=VALUE, one build each) before any set-up."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), AB_DEFINES="MLAGEN_ABLATE=0,1", TRACE="1", TRACE_DEFINES=trace_defines)
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "device_session.sh"), mode], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and msg in r.stderr
+    assert not out.exists()
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would build and run the variant")
 def test_device_profile_needs_a_gpu_in_one_line():
     """tools/device_profile.py without a GPU: one line and exit 1, not a traceback from torch's CUDA generator."""

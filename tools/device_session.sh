@@ -29,9 +29,10 @@
 #         value; outputs bit for bit first), its cycle trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min;
 #         with KTESTS=.. only those GPU tests (pytest -k on tests/test_kernel_gpu.py), in a call of their own. E.g.
 #         the dim-order partial layout against the shipped paired one: DEF=MLAGEN_DST_PARTIAL_BF16 VAL=1 BASE=2.
-#   trace: [URI=.. KTESTS=.. SAN_URIS=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
+#   trace: [URI=.. KTESTS=.. SAN_URIS=.. TRACE_ARGS=--cold TRACE_DEFINES=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
 #         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
-#   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 KTESTS=.. TRACE=1 CONTEXTS=..] tools/device_ab_define.py
+#   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 KTESTS=.. TRACE=1 TRACE_ARGS=.. TRACE_DEFINES=..
+#         CONTEXTS=..] tools/device_ab_define.py
 #         with those defines zipped (build i gets the i-th value of each); KTESTS' GPU tests first, while the builds
 #         compile; with TRACE=1, then the per-role trace of URI's shipped build (tools/dst_trace.py) at 4k and 64k
 #         bs 1 ≈ 4-6 min (+ the tests).
@@ -56,6 +57,10 @@ case "${1:-tests}" in  # what a mode needs, also before the set-up
       done
       [ "$n" -gt 0 ] || { echo "device_session.sh ab: give AB_DEFINES=\"NAME=V0,V1 ..\"" >&2; exit 2; } ;;
 esac
+for d in ${TRACE_DEFINES:-}; do  # (trace, ab) one trace build per word NAME=VALUE
+  [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^,=]+$ ]] || {
+    echo "device_session.sh ${1:-tests}: '$d' is not NAME=VALUE (TRACE_DEFINES)" >&2; exit 2; }
+done
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
@@ -174,7 +179,8 @@ elif [ "$MODE" = dst_bench ]; then
   P64="--grid full --heads 64 --batches 4 --contexts 16384 --page-sizes 64"
   step bench_build_ps64 230 sh -c "python3 bench/run_bench.py $P8 --build-only --kernels '$K64' &&
     python3 bench/run_bench.py $P64 --build-only --kernels '$K64'" &
-  step bench_build 300 python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
+  # (300 s stopped it a few tiles short on a 16-core H200 host; bench_native then built the rest in 42 s)
+  step bench_build "${BUILD_LIMIT:-420}" python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
   wait
   step bench_native "${BENCH_LIMIT:-260}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --kernels "$KERNELS" --out "$OUT/native"
@@ -230,8 +236,21 @@ elif [ "$MODE" = trace ]; then
     step "racecheck_$u" 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick &
     wait
   done
-  step trace 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" --batches "${BATCHES:-1,4}"
-  grep -E "^\||^bs|Error" "$OUT/trace.log" | grep -v "^|---"
+  # TRACE_ARGS: more dst_trace.py options, e.g. --cold (the L2 evicted before each launch, as in the bench);
+  # TRACE_DEFINES="NAME=VALUE ..": after the shipped build's trace, the same trace of a build with each define (e.g.
+  # MLAGEN_ABLATE=256: no page-table loads), those builds compiled while the first trace runs
+  for d in ${TRACE_DEFINES:-}; do
+    step "trace_build_${d//=/_}" 240 python3 tools/dst_trace.py "$URI" --build-only --define "$d" &
+  done
+  step trace 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" --batches "${BATCHES:-1,4}" \
+    ${TRACE_ARGS:-}
+  grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
+  wait
+  for d in ${TRACE_DEFINES:-}; do
+    step "trace_${d//=/_}" 120 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
+      --batches "${BATCHES:-1,4}" --define "$d" ${TRACE_ARGS:-}
+    grep -E "^bs|^timeline|Error" "$OUT/trace_${d//=/_}.log"
+  done
 elif [ "$MODE" = ab ]; then
   # several diagnostic builds of one tile against each other in one process (alternating rounds, outputs bit for
   # bit first), then where the shipped build's step goes per warp role
@@ -246,9 +265,14 @@ elif [ "$MODE" = ab ]; then
   step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $ABD \
     --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches 1,4 --rounds "${ROUNDS:-3}"
   grep -E "^\||equal|differ|DIFFER|Error" "$OUT/ab.log" | tail -16
-  if [ "${TRACE:-0}" = 1 ]; then
-    step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1
-    grep -E "^\||^bs|Error" "$OUT/trace.log" | grep -v "^|---"
+  if [ "${TRACE:-0}" = 1 ]; then  # TRACE_ARGS: e.g. --cold; TRACE_DEFINES="NAME=VALUE ..": also those builds' traces
+    step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 ${TRACE_ARGS:-}
+    grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
+    for d in ${TRACE_DEFINES:-}; do
+      step "trace_${d//=/_}" 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 --define "$d" \
+        ${TRACE_ARGS:-}
+      grep -E "^\||^bs|^timeline|Error" "$OUT/trace_${d//=/_}.log" | grep -v "^|---"
+    done
   fi
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang

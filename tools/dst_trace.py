@@ -16,7 +16,12 @@ those clusters' CTAs and the role's warps:
   fragments have all landed, then until the first stage has (which of the two the first sub-tile waits for).
 
     python3 tools/dst_trace.py URI [--contexts 65536] [--batches 1,4] [--launches 4] [--define NAME=VALUE ...]
-        [--per-warp]
+        [--per-warp] [--cold] [--build-only]
+
+By default the launches repeat on one problem, so whatever fits in the L2 (at H8 bs 1: the KV up to ~32k tokens, Q,
+the page table) is served from it after the first launch. ``--cold`` writes a buffer of
+mlagen.bench.L2_ROTATE_BYTES before each launch, so every launch reads its inputs from DRAM, as the bench's rotated
+CUDA-graph replays do.
 
 The clock reads add a few instructions per wait, so the traced build is a little slower than the shipped one;
 the bench, not this, gives µs. Builds go to $MLAGEN_ABLATE_DIR as tools/device_ab_define.py's do.
@@ -40,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mlagen.bench import make_problem  # noqa: E402
+from mlagen.bench import L2_ROTATE_BYTES, make_problem  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -151,6 +156,9 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=4, help="launches per shape (the first is not averaged)")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a further define of the build")
     ap.add_argument("--per-warp", action="store_true", help="a row per warp index instead of per role")
+    ap.add_argument("--build-only", action="store_true", help="build the trace module (cached for a later run) and stop")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the L2 before each launch (inputs from DRAM, as in the bench's rotated replays)")
     a = ap.parse_args()
     if a.launches < 1:
         sys.exit("--launches must be at least 1")
@@ -176,8 +184,12 @@ def main() -> int:
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
     mod, so = build(v, defines, diagnostic_dir())
+    if a.build_only:
+        print(f"built {mod}")
+        return 0
     k = VerifyKernel(v, so, mod)
-    print(f"{a.uri} on {torch.cuda.get_device_name()}, build {mod}")
+    evict = torch.zeros(L2_ROTATE_BYTES // 4, dtype=torch.int32, device="cuda") if a.cold else None
+    print(f"{a.uri} on {torch.cuda.get_device_name()}, build {mod}" + (", L2 evicted before each launch" if a.cold else ""))
     for bs in map(int, a.batches.split(",")):
         for ctx in map(int, a.contexts.split(",")):
             pr = make_problem(v, [ctx] * bs, device="cuda", seed=5, poison_pool=False, name="trace")
@@ -185,6 +197,8 @@ def main() -> int:
                 pr = dataclasses.replace(pr, kv_cache=pr.kv_cache.to(torch.float8_e4m3fn))
             launches = []
             for _ in range(a.launches):
+                if evict is not None:
+                    evict.add_(1)  # (its own kernel, done before the traced launch starts)
                 text = capture_fd1(lambda: k(pr.q, pr.kv_cache, pr.block_table, pr.kv_lens, **pr.kernel_args()))
                 launches.append(parse(text))
             rows = summarize(launches, a.per_warp)
@@ -200,7 +214,7 @@ def main() -> int:
                       f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
             tl = timeline(launches)
             if tl is not None:
-                print(f"timeline (ns, eager launch, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
+                print(f"timeline (ns, eager launch{', cold L2' if a.cold else ''}, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
                       f"a CTA's start to its cluster barrier {tl['to_barrier']:.0f}; a CTA's start to its last role's "
                       f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}; score warps' Q "
                       f"landed {tl['q_ready']:.0f} and the first stage {tl['s0_ready']:.0f} cycles after the cluster "
