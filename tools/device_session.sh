@@ -61,6 +61,11 @@ for d in ${TRACE_DEFINES:-}; do  # (trace, ab) one trace build per word NAME=VAL
   [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^,=]+$ ]] || {
     echo "device_session.sh ${1:-tests}: '$d' is not NAME=VALUE (TRACE_DEFINES)" >&2; exit 2; }
 done
+# This script's SGL* settings stay in this shell: SGLang reads SGL_* variables itself (and warns that they are
+# deprecated), so they are not left in the environment of the processes started below.
+for _v in SGL SGL_K SGL_ONLY SGL_LIMIT; do
+  [ -n "${!_v+x}" ] && { _val=${!_v}; unset "$_v"; printf -v "$_v" '%s' "$_val"; }
+done
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
