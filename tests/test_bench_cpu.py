@@ -551,7 +551,8 @@ def test_device_session_ab_refuses_bad_defines_before_any_setup(tmp_path, define
 
 
 @pytest.mark.parametrize("trace_defines, msg", [("FOO", "'FOO' is not NAME=VALUE"), ("A=1 B=0,1", "'B=0,1' is not"),
-                                                 ("A=", "'A=' is not")])
+                                                 ("A=", "'A=' is not"), ("A=x/y", "'A=x/y' is not"),
+                                                 ("A=*", "'A=*' is not")])
 @pytest.mark.parametrize("mode", ["ab", "trace"])
 def test_device_session_refuses_bad_trace_defines_before_any_setup(tmp_path, trace_defines, msg, mode):
     """`device_session.sh trace` and `ab` check TRACE_DEFINES (words NAME=VALUE, one build each) before any set-up."""

@@ -3,6 +3,11 @@
 # PYTHONPATH), mlagen itself, and step(), which runs one command under a time limit with its log in $OUT and prints a
 # one-line summary. Ctrl-C, SIGTERM or SIGHUP stops the script and every running step's whole process tree.
 # (python3 -m pip: on the H200 image `pip` belongs to another interpreter.)
+# The callers' SGL* settings (SGL, SGL_K, SGL_ONLY, SGL_LIMIT) stay in the calling shell: SGLang reads SGL_* variables
+# itself (and warns that they are deprecated), so they are not left in the environment of the processes started.
+for _v in SGL SGL_K SGL_ONLY SGL_LIMIT; do
+  if [ -n "${!_v+x}" ]; then _val=${!_v}; unset "$_v"; printf -v "$_v" '%s' "$_val"; fi
+done
 OUT=${OUT:-/tmp/mlagen-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlc} PYTHONUNBUFFERED=1 COLUMNS=250

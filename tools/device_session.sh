@@ -57,15 +57,12 @@ case "${1:-tests}" in  # what a mode needs, also before the set-up
       done
       [ "$n" -gt 0 ] || { echo "device_session.sh ab: give AB_DEFINES=\"NAME=V0,V1 ..\"" >&2; exit 2; } ;;
 esac
-for d in ${TRACE_DEFINES:-}; do  # (trace, ab) one trace build per word NAME=VALUE
-  [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*=[^,=]+$ ]] || {
+set -f  # (the words of TRACE_DEFINES are not globbed while checked)
+for d in ${TRACE_DEFINES:-}; do  # (trace; ab with TRACE=1) one trace build per word NAME=VALUE, VALUE of [A-Za-z0-9_.+-]
+  [[ "$d" =~ ^[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.+-]+$ ]] || {
     echo "device_session.sh ${1:-tests}: '$d' is not NAME=VALUE (TRACE_DEFINES)" >&2; exit 2; }
 done
-# This script's SGL* settings stay in this shell: SGLang reads SGL_* variables itself (and warns that they are
-# deprecated), so they are not left in the environment of the processes started below.
-for _v in SGL SGL_K SGL_ONLY SGL_LIMIT; do
-  [ -n "${!_v+x}" ] && { _val=${!_v}; unset "$_v"; printf -v "$_v" '%s' "$_val"; }
-done
+set +f
 . "$(dirname "$0")/device_env.sh"  # $OUT, wheels, mlagen, step()
 # compute-sanitizer waits this long for the target to attach (its default timed out beside a parallel build)
 SAN="compute-sanitizer --launch-timeout 120"
@@ -245,16 +242,16 @@ elif [ "$MODE" = trace ]; then
   # TRACE_DEFINES="NAME=VALUE ..": after the shipped build's trace, the same trace of a build with each define (e.g.
   # MLAGEN_ABLATE=256: no page-table loads), those builds compiled while the first trace runs
   for d in ${TRACE_DEFINES:-}; do
-    step "trace_build_${d//=/_}" 240 python3 tools/dst_trace.py "$URI" --build-only --define "$d" &
+    step "trace_build_${d/=/-}" 240 python3 tools/dst_trace.py "$URI" --build-only --define "$d" &
   done
   step trace 240 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" --batches "${BATCHES:-1,4}" \
     ${TRACE_ARGS:-}
   grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
   wait
   for d in ${TRACE_DEFINES:-}; do
-    step "trace_${d//=/_}" 120 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
+    step "trace_${d/=/-}" 120 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
       --batches "${BATCHES:-1,4}" --define "$d" ${TRACE_ARGS:-}
-    grep -E "^bs|^timeline|Error" "$OUT/trace_${d//=/_}.log"
+    grep -E "^bs|^timeline|Error" "$OUT/trace_${d/=/-}.log"
   done
 elif [ "$MODE" = ab ]; then
   # several diagnostic builds of one tile against each other in one process (alternating rounds, outputs bit for
@@ -274,9 +271,9 @@ elif [ "$MODE" = ab ]; then
     step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 ${TRACE_ARGS:-}
     grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
     for d in ${TRACE_DEFINES:-}; do
-      step "trace_${d//=/_}" 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 --define "$d" \
+      step "trace_${d/=/-}" 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 --define "$d" \
         ${TRACE_ARGS:-}
-      grep -E "^\||^bs|^timeline|Error" "$OUT/trace_${d//=/_}.log" | grep -v "^|---"
+      grep -E "^\||^bs|^timeline|Error" "$OUT/trace_${d/=/-}.log" | grep -v "^|---"
     done
   fi
 elif [ "$MODE" = schedule ]; then

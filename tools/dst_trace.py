@@ -185,7 +185,7 @@ def main() -> int:
     v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
     mod, so = build(v, defines, diagnostic_dir())
     if a.build_only:
-        print(f"built {mod}")
+        print(f"built 1 variant ({mod})")
         return 0
     k = VerifyKernel(v, so, mod)
     evict = torch.zeros(L2_ROTATE_BYTES // 4, dtype=torch.int32, device="cuda") if a.cold else None
