@@ -29,8 +29,8 @@
 #         value; outputs bit for bit first), its cycle trace (tools/dst_trace.py), memcheck and racecheck ≈ 4 min;
 #         with KTESTS=.. only those GPU tests (pytest -k on tests/test_kernel_gpu.py), in a call of their own. E.g.
 #         the dim-order partial layout against the shipped paired one: DEF=MLAGEN_DST_PARTIAL_BF16 VAL=1 BASE=2.
-#   trace: [URI=.. KTESTS=.. SAN_URIS=.. TRACE_ARGS=--cold TRACE_DEFINES=..] per warp role of a dimsplit_t tile, the cycles of a step and of its waits
-#         (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
+#   trace: [URI=.. KTESTS=.. SAN_URIS=.. TRACE_ARGS=--cold TRACE_DEFINES=..] per warp role of a dimsplit_t tile, the
+#         cycles of a step and of its waits (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 KTESTS=.. TRACE=1 TRACE_ARGS=.. TRACE_DEFINES=..
 #         CONTEXTS=..] tools/device_ab_define.py
 #         with those defines zipped (build i gets the i-th value of each); KTESTS' GPU tests first, while the builds
@@ -182,7 +182,8 @@ elif [ "$MODE" = dst_bench ]; then
   step bench_build_ps64 230 sh -c "python3 bench/run_bench.py $P8 --build-only --kernels '$K64' &&
     python3 bench/run_bench.py $P64 --build-only --kernels '$K64'" &
   # (300 s stopped it a few tiles short on a 16-core H200 host; bench_native then built the rest in 42 s)
-  step bench_build "${BUILD_LIMIT:-420}" python3 bench/run_bench.py --grid small --page-sizes 1 --build-only --kernels "$KERNELS" &
+  step bench_build "${BUILD_LIMIT:-420}" python3 bench/run_bench.py --grid small --page-sizes 1 --build-only \
+    --kernels "$KERNELS" &
   wait
   step bench_native "${BENCH_LIMIT:-260}" python3 bench/run_bench.py --grid small --page-sizes 1 --skip-sglang \
     --kernels "$KERNELS" --out "$OUT/native"

@@ -156,7 +156,8 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=4, help="launches per shape (the first is not averaged)")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE: a further define of the build")
     ap.add_argument("--per-warp", action="store_true", help="a row per warp index instead of per role")
-    ap.add_argument("--build-only", action="store_true", help="build the trace module (cached for a later run) and stop")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build the trace module (cached for a later run) and stop")
     ap.add_argument("--cold", action="store_true",
                     help="evict the L2 before each launch (inputs from DRAM, as in the bench's rotated replays)")
     a = ap.parse_args()
@@ -189,7 +190,8 @@ def main() -> int:
         return 0
     k = VerifyKernel(v, so, mod)
     evict = torch.zeros(L2_ROTATE_BYTES // 4, dtype=torch.int32, device="cuda") if a.cold else None
-    print(f"{a.uri} on {torch.cuda.get_device_name()}, build {mod}" + (", L2 evicted before each launch" if a.cold else ""))
+    cold = ", L2 evicted before each launch" if a.cold else ""
+    print(f"{a.uri} on {torch.cuda.get_device_name()}, build {mod}{cold}")
     for bs in map(int, a.batches.split(",")):
         for ctx in map(int, a.contexts.split(",")):
             pr = make_problem(v, [ctx] * bs, device="cuda", seed=5, poison_pool=False, name="trace")
@@ -214,7 +216,8 @@ def main() -> int:
                       f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
             tl = timeline(launches)
             if tl is not None:
-                print(f"timeline (ns, eager launch{', cold L2' if a.cold else ''}, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
+                how = "eager launch, cold L2" if a.cold else "eager launch"
+                print(f"timeline (ns, {how}, printf build): CTA starts spread over {tl['start_spread']:.0f}; "
                       f"a CTA's start to its cluster barrier {tl['to_barrier']:.0f}; a CTA's start to its last role's "
                       f"end {tl['cta_span']:.0f}; first CTA start to the last end {tl['span']:.0f}; score warps' Q "
                       f"landed {tl['q_ready']:.0f} and the first stage {tl['s0_ready']:.0f} cycles after the cluster "
