@@ -191,6 +191,9 @@ class VerifyKernel:
         ctas_per_row_block (2 for dimsplit's clusters) CTAs per split on :meth:`cta_slots` slots (whole waves,
         slack :attr:`auto_slack`, the waves filled), in [1, 256]; each request then spreads its tiles over
         those splits on the device (at least :meth:`min_tiles_per_split` tiles per non-empty split).
+
+        Raises:
+            ValueError / RuntimeError: ``auto`` on a device that is not a GPU, or with no GPU (:meth:`cta_slots`).
         """
         v = self.variant
         if v.nsplit != "auto":
@@ -206,7 +209,17 @@ class VerifyKernel:
         ``max_active_clusters()`` (cudaOccupancyMaxActiveClusters) x 2: a cluster's CTAs run on SMs of one GPC, so a
         GPU whose GPCs hold an odd number of SMs fits fewer clusters than SMs / 2, and a split count filled to SMs / 2
         would run its last clusters in a second wave. On the H200 the query gives 66 (132 SMs, the cap changes nothing);
-        a query that fails (0), or a module built without it, leaves the SM count."""
+        a query that fails (0), or a module built without it, leaves the SM count.
+
+        Raises:
+            ValueError: ``device`` is not a CUDA device.
+            RuntimeError: no CUDA GPU, where ``device`` names none (None, or ``"cuda"`` without an index).
+        """
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"{torch.device(device)} is not a CUDA device: nsplit auto's split count and the workspace "
+                             "size are those of a GPU")
+        if (device is None or torch.device(device).index is None) and not torch.cuda.is_available():
+            raise RuntimeError("no CUDA GPU: nsplit auto's split count and the workspace size are those of a GPU")
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
@@ -269,7 +282,11 @@ class VerifyKernel:
         o_part keeps this fp32 size when a build writes bf16 partials (include/mlagen/mla_verify_partial_store.cuh):
         they fill its first half, and lse_part stays where it is.
         O(1): fixed nsplit in closed form; auto from running maxima kept per CTA-slot count (a batch size not
-        seen before costs one split count per new size, once)."""
+        seen before costs one split count per new size, once).
+
+        Raises:
+            ValueError / RuntimeError: ``auto`` on a device that is not a GPU, or with no GPU (:meth:`cta_slots`).
+        """
         v = self.variant
         n = max(1, batch_size)
         if v.nsplit != "auto":
@@ -289,7 +306,12 @@ class VerifyKernel:
         module can fold the combine in (a diagnostic dimsplit_t build with MLAGEN_DST_MERGE=1, run ABI 3) it is
         zeroed here on the current stream and the workspace is registered as zeroed (every launch leaves the
         counters at zero); other modules never read it, and it is left uninitialized.
-        Use one workspace per stream: two launches in flight on one workspace would share its partials."""
+        Use one workspace per stream: two launches in flight on one workspace would share its partials.
+
+        Raises:
+            ValueError / RuntimeError: nsplit auto with a ``device`` that is not a GPU, or with no GPU
+                (:meth:`cta_slots`).
+        """
         return _new_workspace(self.workspace_numel(batch_size, torch.device(device)), device, self._can_fuse)
 
     # ---- launch

@@ -112,6 +112,22 @@ def test_workspace_sizing_and_split_policy():
     assert k.min_tiles_per_split() == 1  # fixed nsplit: every split its share, however short
 
 
+def test_split_count_and_workspace_off_a_gpu_are_one_line_errors():
+    """nsplit auto's split count and workspace size are a GPU's: asked for a CPU device they are a ValueError, and with
+    no GPU at all (device None or "cuda") a RuntimeError, both before any CUDA query (not torch's assertion); a fixed
+    nsplit needs no GPU to count."""
+    a, k = _kernel(nsplit="auto"), _kernel()
+    for call in (lambda: a.num_splits(1, torch.device("cpu")), lambda: a.workspace_numel(4, "cpu"),
+                 lambda: a.alloc_workspace(2, "cpu")):
+        with pytest.raises(ValueError, match="cpu is not a CUDA device"):
+            call()
+    assert k.num_splits(4, torch.device("cpu")) == 16 and a._sm == {}
+    if not torch.cuda.is_available():
+        for call in (lambda: a.num_splits(1), lambda: a.workspace_numel(4), lambda: a.cta_slots("cuda")):
+            with pytest.raises(RuntimeError, match="no CUDA GPU"):
+                call()
+
+
 @pytest.mark.parametrize("units, slots", [(1, 132), (3, 132), (5, 264), (20, 264), (72, 132), (80, 132),
                                           (288, 132), (1000, 188), (7, 188), (1, 264), (1, 376), (2, 600)])
 def test_auto_num_splits_fills_whole_waves(units, slots):
