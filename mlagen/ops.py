@@ -215,19 +215,19 @@ class VerifyKernel:
             ValueError: ``device`` is not a CUDA device.
             RuntimeError: no CUDA GPU, where ``device`` names none (None, or ``"cuda"`` without an index).
         """
-        if device is not None and torch.device(device).type != "cuda":
-            raise ValueError(f"{torch.device(device)} is not a CUDA device: nsplit auto's split count and the workspace "
-                             "size are those of a GPU")
-        if (device is None or torch.device(device).index is None) and not torch.cuda.is_available():
+        dev = torch.device("cuda" if device is None else device)
+        if dev.type != "cuda":
+            raise ValueError(f"{dev} is not a CUDA device: nsplit auto's split count and the workspace size are those "
+                             "of a GPU")
+        if dev.index is None and not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU: nsplit auto's split count and the workspace size are those of a GPU")
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in self._sm:
             with torch.cuda.device(idx):
                 occ = max(1, self.module.max_active_ctas_per_sm())
                 if self.smem_per_sm_cap is not None:  # as on the emulated GPU (see limit_smem_per_sm)
                     occ = max(1, min(occ, self.smem_per_sm_cap // (int(self.module.smem_bytes) + CTA_RESERVED_SMEM)))
-                slots = _sm_count(dev) * occ
+                slots = _sm_count(torch.device("cuda", idx)) * occ
                 per_cluster = self.variant.ctas_per_row_block
                 query = getattr(self.module, "max_active_clusters", None)  # absent in modules built before it
                 if per_cluster > 1 and query is not None:

@@ -53,12 +53,6 @@ def diagnostic_dir() -> Path:
     return out_dir
 
 
-def build(v: Variant, defines: list[tuple[str, str]], out_dir: Path) -> tuple[str, Path]:
-    """(module name, .so path) of ``v`` compiled with ``#define name value`` for each pair of ``defines``
-    (:func:`mlagen.build.build_with_defines`)."""
-    return build_with_defines(v, defines, out_dir)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri")
@@ -119,7 +113,7 @@ def main() -> int:
     if extra:
         name = "build"
     with ThreadPoolExecutor(max_workers=min(len(plan), os.cpu_count() or 1)) as pool:
-        built = list(pool.map(lambda vb: build(vb[0], vb[1], out_dir), plan))
+        built = list(pool.map(lambda vb: build_with_defines(vb[0], vb[1], out_dir), plan))
     if a.build_only:
         print(f"built {len(built)} builds of {a.uri} in {out_dir}")
         return 0

@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlagen.bench import Shape, bench_kernel  # noqa: E402
-from mlagen.codegen import render_variant  # noqa: E402
-from mlagen.ninja_gen import compile_diagnostic  # noqa: E402
+from mlagen.build import build_with_defines  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -43,16 +42,11 @@ TABLE_MASK = 256  # only the bf16 cluster producer (dimsplit, dimsplit_t) implem
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
-def module_name(v: Variant, mask: int) -> str:
-    """Each ablation is its own module: CPython returns the first module imported under a name."""
-    return f"{v.build_key}_ab{mask}"
-
-
-def build(v: Variant, mask: int, out_dir: Path) -> Path:
-    """The ablation ``mask`` of ``v`` compiled into ``out_dir`` (nothing recompiled while its build key is unchanged:
-    mlagen.ninja_gen.compile_diagnostic)."""
-    mod = module_name(v, mask)
-    return compile_diagnostic(v, f"#define MLAGEN_ABLATE {mask}\n" + render_variant(v, mod), mod, out_dir)
+def build(v: Variant, mask: int, out_dir: Path) -> tuple[str, Path]:
+    """(module name, .so path) of the ablation ``mask`` of ``v`` compiled into ``out_dir``: its own module per mask
+    (CPython returns the first module imported under a name), nothing recompiled while its build key is unchanged
+    (:func:`mlagen.build.build_with_defines`)."""
+    return build_with_defines(v, (("MLAGEN_ABLATE", mask),), out_dir)
 
 
 def main() -> int:
@@ -100,12 +94,12 @@ def main() -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(masks), os.cpu_count() or 1)) as pool:
-        sos = dict(zip(masks, pool.map(lambda m: build(v, m, out_dir), masks)))
+        built = dict(zip(masks, pool.map(lambda m: build(v, m, out_dir), masks)))
     if a.build_only:
-        print(f"built {len(sos)} ablations of {a.uri} in {out_dir}")
+        print(f"built {len(built)} ablations of {a.uri} in {out_dir}")
         return 0
     rows = {}
-    kernels = {mask: VerifyKernel(v, so, module_name(v, mask)) for mask, so in sos.items()}
+    kernels = {mask: VerifyKernel(v, so, mod) for mask, (mod, so) in built.items()}
     for mask, k in kernels.items():
         rows[mask] = [bench_kernel(k, Shape(v.heads, v.q_len, a.batch, c, v.page_size))["median_us"] for c in ctxs]
         print(f"ablate {mask:2d} {masks[mask]:34s} " + " ".join(f"{t:8.1f}" for t in rows[mask]), flush=True)

@@ -19,15 +19,15 @@ if len(args) < 3:
     sys.exit("usage: python tools/device_profile.py URI CTX BS [quick-verify] [NAME=VALUE ...]")
 if not torch.cuda.is_available():
     sys.exit("tools/device_profile.py needs a CUDA GPU (none visible to torch); nothing run")
-from mlagen.build import build_variants  # noqa: E402
+from mlagen.build import build_variants, build_with_defines  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.cases import make_problem  # noqa: E402
 
 v = Variant.from_uri(args[0])
 if defines:
-    from device_ab_define import build, diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
-    mod, so = build(v, defines, diagnostic_dir())
+    from device_ab_define import diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
+    mod, so = build_with_defines(v, defines, diagnostic_dir())
     k = VerifyKernel(v, so, mod)
     print("diagnostic build:", mod, flush=True)
 else:

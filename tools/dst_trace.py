@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mlagen.bench import L2_ROTATE_BYTES, make_problem  # noqa: E402
+from mlagen.build import build_with_defines  # noqa: E402
 from mlagen.ops import VerifyKernel  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -180,11 +181,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU; nothing built or measured")
         return 1
-    from device_ab_define import build, diagnostic_dir
+    from device_ab_define import diagnostic_dir
 
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
-    mod, so = build(v, defines, diagnostic_dir())
+    mod, so = build_with_defines(v, defines, diagnostic_dir())
     if a.build_only:
         print(f"built 1 variant ({mod})")
         return 0

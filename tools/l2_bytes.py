@@ -150,13 +150,13 @@ def _child(uri: str, ctx: int, bs: int, defines: list[str] | None = None) -> Non
     v = Variant.from_uri(uri)
     if defines:
         sys.path.insert(0, str(ROOT / "tools"))
-        from device_ab_define import build as build_diagnostic
+        from device_ab_define import diagnostic_dir
+
+        from mlagen.build import build_with_defines
 
         major, minor = torch.cuda.get_device_capability()
         v = dataclasses.replace(v, archs=(f"sm_{major}{minor}",))
-        out_dir = Path(os.environ.get("MLAGEN_ABLATE_DIR", "/tmp/mlagen-ablate"))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        mod, so = build_diagnostic(v, [tuple(d.split("=", 1)) for d in defines], out_dir)
+        mod, so = build_with_defines(v, [tuple(d.split("=", 1)) for d in defines], diagnostic_dir())
         k = VerifyKernel(v, so, mod)
     else:
         b = build_variants(v.spec_dict("l2bytes"), kernels=v.uri)[0]

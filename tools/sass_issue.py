@@ -44,7 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from device_ab_define import build, diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
+from device_ab_define import diagnostic_dir  # noqa: E402  (tools/ is this script's directory)
+from mlagen.build import build_with_defines  # noqa: E402
 from mlagen.ninja_gen import nvcc_path  # noqa: E402
 from mlagen.spec import Variant  # noqa: E402
 
@@ -230,7 +231,7 @@ def main() -> int:
         defines.append((name, value))
     # the project's diagnostic build (tools/device_ab_define.py: cached by build key), for this one arch
     try:
-        _, so = build(dataclasses.replace(v, archs=(a.arch,)), defines, diagnostic_dir())
+        _, so = build_with_defines(dataclasses.replace(v, archs=(a.arch,)), defines, diagnostic_dir())
     except RuntimeError as e:  # nvcc failed (compile_diagnostic: the tail of its output)
         raise SystemExit(f"sass_issue.py: {e}") from None
     r = subprocess.run([cuobjdump, "-sass", "-arch", a.arch, str(so)], capture_output=True, text=True)
