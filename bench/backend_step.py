@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument("--uri", help="which of the variants built here to use (default: the one built)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU; nothing measured")
+        print("needs a CUDA GPU; nothing measured", file=sys.stderr)
         return 1
     T = _load_test_module()
     sgl = T.import_sglang(lambda why: sys.exit(f"SGLang backend step not measured: {why}"), master_port=29671)

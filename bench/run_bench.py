@@ -470,10 +470,10 @@ def main(argv=None) -> int:
         return 1 if failed else 0
     why = out_dir_problem(Path(a.out))
     if why:
-        print(f"run_bench: {why}; nothing measured")
+        print(f"run_bench: {why}; nothing measured", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU; nothing measured")
+        print("bench needs a CUDA GPU; nothing measured", file=sys.stderr)
         return 1
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)

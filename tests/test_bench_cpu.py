@@ -591,6 +591,15 @@ def test_device_ablate_refuses_bad_masks_in_one_line(masks, msg, uri):
     assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_device_ablate_accepts_the_path_masks():
+    """The two single-path ablations (33: math + handoffs, no KV loads and no exchange; 46: loads + handoffs, no math
+    and no exchange; perf-notes v37) pass the mask check on a dimsplit_t build: the run stops only at the GPU check."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "device_ablate.py"),
+                        "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",
+                        "--masks", "46,33"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "no ablation" not in r.stderr, r.stderr
+
+
 def test_run_bench_never_replaces_files_it_did_not_write(tmp_path, capsys):
     """--out: bench.json / bench.png (and gpuK/bench.json / bench.log of a --gpus run) may replace only what an earlier
     run wrote; anything else of those names stops the run before it measures or writes anything."""
@@ -616,7 +625,7 @@ def test_run_bench_never_replaces_files_it_did_not_write(tmp_path, capsys):
         user.write_text(text)
         assert str(user) in run_bench.out_dir_problem(out)
         assert run_bench.main(["--out", str(out), "--grid", "small", "--skip-sglang"]) == 2
-        assert user.read_text() == text and "was not written by bench/run_bench.py" in capsys.readouterr().out
+        assert user.read_text() == text and "was not written by bench/run_bench.py" in capsys.readouterr().err
         if saved is None:
             user.unlink()
         else:

@@ -95,7 +95,7 @@ def main() -> int:
     values = [" ".join(f"{n}={x}" for n, x in b) if len(defs) > 1 else b[0][1] for b in builds]
     name = defs[0][0] if len(defs) == 1 else "build"
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured")
+        print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured", file=sys.stderr)
         return 1
     major, minor = torch.cuda.get_device_capability()
     v = dataclasses.replace(Variant.from_uri(a.uri), archs=(f"sm_{major}{minor}",))

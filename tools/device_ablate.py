@@ -32,6 +32,7 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
          1 | 2 | 8: "no KV loads, no MMAs", 2 | 4 | 8: "loads + handoffs + exchange (no math)",
          1 | 2 | 4 | 8: "handoffs + exchange (no loads, no math)", 32: "no score exchange",
          1 | 2 | 4 | 8 | 32: "handoffs only (no loads, math, exchange)",
+         2 | 4 | 8 | 32: "loads + handoffs (no math, exchange)", 1 | 32: "math + handoffs (no loads, exchange)",
          # fp8 (e4m3) dimsplit_t: the output warps' conversion into the bf16 stages (perf-notes v18)
          64: "no e4m3 conversion (barriers kept)", 128: "conversion without the stage-release wait",
          64 | 128: "neither conversion nor its wait",
@@ -83,7 +84,7 @@ def main() -> int:
                  f"{a.uri} has none")
     masks = {0: MASKS[0]} | {m: MASKS[m] for m in picked}
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured")
+        print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured", file=sys.stderr)
         return 1
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"  # (--build-only too: the device's arch, the one the timing run builds)

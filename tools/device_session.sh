@@ -8,7 +8,7 @@
 #         shapes, after the SGLang backend test if SGL=1;  sglang: the SGLang backend test (+ backend_step): its 36
 #         cases take ~9 min on an H200 after a ~1.5 min parallel prebuild, so split them over two calls with
 #         SGL_K (pytest -k) and SGL_ONLY (the prebuild's --only items), e.g. SGL_K="not fp8" then SGL_K=fp8 SGL_ONLY=fp8_e4m3;
-#   ablate: [URI=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
+#   ablate: [URI=.. MASKS=1,14,.. BATCH=1 CONTEXTS=..] tools/device_ablate.py, time per phase of the partial kernel by dropping phases.
 #   release2 (2 GPUs): KERNELS=globs MEMCHECK_URIS=.. SGLang backend test + backend_step + memcheck on GPU 0, the
 #         bench with FlashInfer columns natively and at sm_120 occupancy + racecheck on GPU 1; logs in logs.tgz.
 #   fp8: [KERNELS=globs FP8_URI=.. SGL=1] the fp8_e4m3 (dimsplit, dimsplit_t) / two-producer dimsplit GPU tests, memcheck, bench --fp8 (H=8;
@@ -339,7 +339,8 @@ elif [ "$MODE" = fixed ]; then
     --launch-count 1 --section WarpStateStats --section SourceCounters python3 tools/device_profile.py "$DST_URI" 4096 1
   grep -E "Warp Cycles|Stall" "$OUT/ncu_fixed_states.log" | sed 's/  */ /g' | head -20
 elif [ "$MODE" = ablate ]; then
-  step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}"
+  step ablate "${ABLATE_LIMIT:-300}" python3 tools/device_ablate.py ${URI:-} --contexts "${CONTEXTS:-4096,65536}" \
+    ${MASKS:+--masks "$MASKS"} ${BATCH:+--batch "$BATCH"}
   grep -E "^\||^mla_|^ablate" "$OUT/ablate.log" | tail -30
 elif [ "$MODE" = sglang ]; then
   sglang_test

@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--atol", type=float, default=1 / 64)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU; nothing measured")
+        print("needs a CUDA GPU; nothing measured", file=sys.stderr)
         return 1
     from mlagen.registry import Registry
 

@@ -179,7 +179,7 @@ def main() -> int:
     if v.schedule != "dimsplit_t":
         sys.exit(f"{a.uri}: MLAGEN_DST_TRACE is a dimsplit_t define (schedule {v.schedule})")
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU; nothing built or measured")
+        print("needs a CUDA GPU; nothing built or measured", file=sys.stderr)
         return 1
     from device_ab_define import diagnostic_dir
 
