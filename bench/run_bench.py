@@ -459,12 +459,12 @@ def main(argv=None) -> int:
     if a.build_only:  # compile only (e.g. while the GPU runs other work): the timed run then finds every module built
         grid = _select_grid(a)
         if not grid:
-            print("no shape left after --heads / --batches / --page-sizes / --contexts")
+            print("no shape left after --heads / --batches / --page-sizes / --contexts", file=sys.stderr)
             return 1
         built, failed = _build_buckets(sorted({(g[0], g[1], g[4]) for g in grid}), a)
         n_built = sum(len(b) for b in built.values())
         if n_built == 0 and failed == 0:
-            print(f"no variant of the tuning sweeps matches --kernels {a.kernels!r}; nothing built")
+            print(f"no variant of the tuning sweeps matches --kernels {a.kernels!r}; nothing built", file=sys.stderr)
             return 1
         print(f"built {n_built} variants, {failed} failed")
         return 1 if failed else 0
@@ -479,11 +479,11 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     grid = _select_grid(a)
     if not grid:
-        print("no shape left after --heads / --batches / --page-sizes / --contexts")
+        print("no shape left after --heads / --batches / --page-sizes / --contexts", file=sys.stderr)
         return 1
     n_gpus = torch.cuda.device_count() if a.gpus == "all" else a.gpus
     if n_gpus > torch.cuda.device_count():
-        print(f"--gpus {n_gpus}: only {torch.cuda.device_count()} GPU(s) visible; nothing measured")
+        print(f"--gpus {n_gpus}: only {torch.cuda.device_count()} GPU(s) visible; nothing measured", file=sys.stderr)
         return 1
     if a.shard is None and n_gpus > 1:
         return _run_sharded(a, grid, n_gpus, out_dir, sys.argv[1:] if argv is None else list(argv))

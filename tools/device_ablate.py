@@ -32,7 +32,9 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
          1 | 2 | 8: "no KV loads, no MMAs", 2 | 4 | 8: "loads + handoffs + exchange (no math)",
          1 | 2 | 4 | 8: "handoffs + exchange (no loads, no math)", 32: "no score exchange",
          1 | 2 | 4 | 8 | 32: "handoffs only (no loads, math, exchange)",
-         2 | 4 | 8 | 32: "loads + handoffs (no math, exchange)", 1 | 32: "math + handoffs (no loads, exchange)",
+         # each path alone (perf-notes v37): 46 also drops Q's loads (they feed only the Q K^T MMAs); 33 also drops the
+         # page-table reads (they feed only the copies) and zeroes the ring first, as 1 does
+         2 | 4 | 8 | 32: "KV copies + handoffs (no math, Q, exchange)", 1 | 32: "math + handoffs (no KV copies, exchange)",
          # fp8 (e4m3) dimsplit_t: the output warps' conversion into the bf16 stages (perf-notes v18)
          64: "no e4m3 conversion (barriers kept)", 128: "conversion without the stage-release wait",
          64 | 128: "neither conversion nor its wait",
@@ -40,6 +42,7 @@ MASKS = {0: "full kernel", 1: "no KV loads", 2: "no Q K^T MMAs", 4: "no softmax 
          256: "no page-table loads", 1 | 2 | 4 | 8 | 32 | 256: "handoffs only, no page-table loads"}
 FP8_DIMSPLIT_T_MASKS = (64, 128, 64 | 128)  # only an fp8_e4m3 dimsplit_t build has the conversion they drop
 TABLE_MASK = 256  # only the bf16 cluster producer (dimsplit, dimsplit_t) implements it
+EXCHANGE_MASK = 32  # only dimsplit_t implements it (its score warps' st.async exchange)
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
@@ -59,7 +62,7 @@ def main() -> int:
                     help="compile the builds and stop (a later run with the same arguments reuses them)")
     ap.add_argument("--masks", help="comma-separated MLAGEN_ABLATE masks to build (default: every mask above that the "
                     "variant has; dimsplit_t implements 1, 2, 4, 8 and 32, its fp8 build also 64 and 128, its bf16 "
-                    "build (and dimsplit's) 256)")
+                    "build (and dimsplit's) 256; 32 only dimsplit_t)")
     a = ap.parse_args()
     try:
         picked = [int(m) for m in a.masks.split(",") if m] if a.masks else None
@@ -71,8 +74,10 @@ def main() -> int:
         sys.exit(f"uri: {e}")
     fp8_t = uv.schedule == "dimsplit_t" and uv.dtype == "fp8_e4m3"
     table_ok = uv.schedule in ("dimsplit", "dimsplit_t") and uv.dtype == "bf16"
+    exchange_ok = uv.schedule == "dimsplit_t"
     if picked is None:
-        picked = [m for m in MASKS if (fp8_t or m not in FP8_DIMSPLIT_T_MASKS) and (table_ok or not m & TABLE_MASK)]
+        picked = [m for m in MASKS if (fp8_t or m not in FP8_DIMSPLIT_T_MASKS) and (table_ok or not m & TABLE_MASK)
+                  and (exchange_ok or not m & EXCHANGE_MASK)]
     unknown = [m for m in picked if m not in MASKS]
     if unknown:
         sys.exit(f"--masks: no ablation {unknown}; known: {sorted(MASKS)}")
@@ -82,6 +87,8 @@ def main() -> int:
     if not table_ok and any(m & TABLE_MASK for m in picked):
         sys.exit(f"--masks: {TABLE_MASK} drops the page-table loads of the bf16 dimsplit / dimsplit_t producer; "
                  f"{a.uri} has none")
+    if not exchange_ok and any(m & EXCHANGE_MASK for m in picked):
+        sys.exit(f"--masks: {EXCHANGE_MASK} drops the score exchange of a dimsplit_t build; {a.uri} has none")
     masks = {0: MASKS[0]} | {m: MASKS[m] for m in picked}
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (the builds are compiled for its arch); nothing built or measured", file=sys.stderr)
