@@ -499,7 +499,7 @@ def test_ncu_stall_groups_splits_samples_by_execution_count(tmp_path):
     total = a + b + c + d + 7
     assert f"{total} warp-state samples, 5 instructions" in out
     assert f"| 4096 | 4 | {a + b + c + d} | {100 * (a + b + c + d) / total:.1f}% |" in out
-    assert f"| 128 | 1 | 7 |" in out
+    assert "| 128 | 1 | 7 |" in out
     assert f"[R2+URZ+0x100]  {b + d} samples" in out  # the try-wait and its spin branch, not the IMAD between
     # --group: one execution count's instructions by opcode (predicate stripped, mnemonic before the first '.')
     out = subprocess.run([sys.executable, str(tool), str(path), "--group", "4096", "--top", "2"], capture_output=True,
