@@ -46,13 +46,6 @@ EXCHANGE_MASK = 32  # only dimsplit_t implements it (its score warps' st.async e
 DEFAULT_URI = "mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lwbulk_bn32_w8_rt1_st2_tree_bf16_sm120_sm90"
 
 
-def build(v: Variant, mask: int, out_dir: Path) -> tuple[str, Path]:
-    """(module name, .so path) of the ablation ``mask`` of ``v`` compiled into ``out_dir``: its own module per mask
-    (CPython returns the first module imported under a name), nothing recompiled while its build key is unchanged
-    (:func:`mlagen.build.build_with_defines`)."""
-    return build_with_defines(v, (("MLAGEN_ABLATE", mask),), out_dir)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("uri", nargs="?", default=DEFAULT_URI)
@@ -102,7 +95,9 @@ def main() -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(masks), os.cpu_count() or 1)) as pool:
-        built = dict(zip(masks, pool.map(lambda m: build(v, m, out_dir), masks)))
+        # each mask its own module (build_with_defines names it by the define: CPython keeps the first module
+        # imported under a name), nothing recompiled while its build key is unchanged
+        built = dict(zip(masks, pool.map(lambda m: build_with_defines(v, (("MLAGEN_ABLATE", m),), out_dir), masks)))
     if a.build_only:
         print(f"built {len(built)} ablations of {a.uri} in {out_dir}")
         return 0

@@ -84,6 +84,14 @@ sglang_test() {
     step sglang_probe 120 python3 tools/sglang_import_probe.py; tail -6 "$OUT/sglang_probe.log"
   fi
 }
+define_traces() {  # LIMIT CONTEXTS BATCHES: after the shipped build's trace, the same trace of URI built with each
+  # word NAME=VALUE of TRACE_DEFINES (TRACE_ARGS passed on), one log each
+  for d in ${TRACE_DEFINES:-}; do
+    step "trace_${d/=/-}" "$1" python3 tools/dst_trace.py "$URI" --contexts "$2" --batches "$3" --define "$d" \
+      ${TRACE_ARGS:-}
+    grep -E "^\||^bs|^timeline|Error" "$OUT/trace_${d/=/-}.log" | grep -v "^|---"
+  done
+}
 memcheck() {  # compute-sanitizer memcheck, quick verification set, of each URI given
   for u in "$@"; do
     step "memcheck_$u" 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$u" 0 0 quick
@@ -249,11 +257,7 @@ elif [ "$MODE" = trace ]; then
     ${TRACE_ARGS:-}
   grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
   wait
-  for d in ${TRACE_DEFINES:-}; do
-    step "trace_${d/=/-}" 120 python3 tools/dst_trace.py "$URI" --contexts "${CONTEXTS:-16384,65536}" \
-      --batches "${BATCHES:-1,4}" --define "$d" ${TRACE_ARGS:-}
-    grep -E "^bs|^timeline|Error" "$OUT/trace_${d/=/-}.log"
-  done
+  define_traces 120 "${CONTEXTS:-16384,65536}" "${BATCHES:-1,4}"
 elif [ "$MODE" = ab ]; then
   # several diagnostic builds of one tile against each other in one process (alternating rounds, outputs bit for
   # bit first), then where the shipped build's step goes per warp role
@@ -271,11 +275,7 @@ elif [ "$MODE" = ab ]; then
   if [ "${TRACE:-0}" = 1 ]; then  # TRACE_ARGS: e.g. --cold; TRACE_DEFINES="NAME=VALUE ..": also those builds' traces
     step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 ${TRACE_ARGS:-}
     grep -E "^\||^bs|^timeline|Error" "$OUT/trace.log" | grep -v "^|---"
-    for d in ${TRACE_DEFINES:-}; do
-      step "trace_${d/=/-}" 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 --define "$d" \
-        ${TRACE_ARGS:-}
-      grep -E "^\||^bs|^timeline|Error" "$OUT/trace_${d/=/-}.log" | grep -v "^|---"
-    done
+    define_traces 200 4096,65536 1
   fi
 elif [ "$MODE" = schedule ]; then
   # a kernel schedule on its own: with SMOKE_URI, that variant's quick verification first (a failure or hang
