@@ -19,11 +19,15 @@ def _line(cta, warp, role, sub, cycles, ns, before, after, wait):
             f"after {after} wait {wait[0]} {wait[1]} {wait[2]} {wait[3]}")
 
 
+def _role(warp):  # a dimsplit_t CTA of 3 score warps: warps 3-6 output, 7 the producer (bf16 trace builds)
+    return "score" if warp < 3 else "output" if warp < 7 else "producer"
+
+
 def _launch(rng, sub):
     rows, lines = [], ["some other output line"]
     for cta in (0, 1):
-        for warp in range(7):
-            role = "score" if warp < 3 else "output"
+        for warp in range(8):
+            role = _role(warp)
             before, after = rng.randrange(100, 5000), rng.randrange(100, 5000)
             wait = [rng.randrange(0, 200 * sub) for _ in range(4)]
             cycles = before + after + sum(wait) + rng.randrange(500 * sub, 3000 * sub)
@@ -39,10 +43,10 @@ def test_parse_and_role_means_match_a_direct_computation():
     sub = rng.randrange(2, 200)
     made = [_launch(rng, sub) for _ in range(rng.randrange(2, 5))]
     launches = [dst_trace.parse(text) for _, text in made]
-    assert [len(x) for x in launches] == [14] * len(made)
+    assert [len(x) for x in launches] == [16] * len(made)
     out = {r["role"]: r for r in dst_trace.summarize(launches)}
-    assert set(out) == {"score", "output"}
-    for role, warps in (("score", 6), ("output", 8)):
+    assert set(out) == {"score", "output", "producer"} and set(out) <= set(dst_trace.WAITS)
+    for role, warps in (("score", 6), ("output", 8), ("producer", 2)):
         rows = [r for rows, _ in made[1:] for r in rows if r["role"] == role]  # the first launch is not averaged
         loop = sum((r["cycles"] - r["before"] - r["after"]) / sub for r in rows) / len(rows)
         waits = [sum(r["wait"][i] / sub for r in rows) / len(rows) for i in range(4)]
@@ -55,9 +59,9 @@ def test_parse_and_role_means_match_a_direct_computation():
         assert got["ghz"] == pytest.approx(ghz)
         assert got["before"] == pytest.approx(sum(r["before"] for r in rows) / len(rows))
     by_warp = {r["role"]: r for r in dst_trace.summarize(launches, per_warp=True)}
-    assert set(by_warp) == {f"{'score' if w < 3 else 'output'} warp {w}" for w in range(7)}
+    assert set(by_warp) == {f"{_role(w)} warp {w}" for w in range(8)}
     assert all(r["warps"] == 2 for r in by_warp.values())  # both CTAs
-    w5 = [r for rows, _ in made[1:] for r in rows[5::7]]  # warp 5 of each CTA (rows are made warp-major per CTA)
+    w5 = [r for rows, _ in made[1:] for r in rows[5::8]]  # warp 5 of each CTA (rows are made warp-major per CTA)
     assert by_warp["output warp 5"]["busy"] == pytest.approx(
         sum((r["cycles"] - r["before"] - r["after"] - sum(r["wait"])) / sub for r in w5) / len(w5))
 

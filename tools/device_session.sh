@@ -32,7 +32,7 @@
 #   trace: [URI=.. KTESTS=.. SAN_URIS=.. TRACE_ARGS=--cold TRACE_DEFINES=..] per warp role of a dimsplit_t tile, the
 #         cycles of a step and of its waits (tools/dst_trace.py); KTESTS' GPU tests and SAN_URIS' sanitizers first.
 #   ab: AB_DEFINES="NAME=V0,V1,.. [NAME2=..]" [URI=.. ROUNDS=3 KTESTS=.. TRACE=1 TRACE_ARGS=.. TRACE_DEFINES=..
-#         CONTEXTS=..] tools/device_ab_define.py
+#         CONTEXTS=.. BATCHES=1,4 AB_ARGS="--atol 0.03125"] tools/device_ab_define.py
 #         with those defines zipped (build i gets the i-th value of each); KTESTS' GPU tests first, while the builds
 #         compile; with TRACE=1, then the per-role trace of URI's shipped build (tools/dst_trace.py) at 4k and 64k
 #         bs 1 ≈ 4-6 min (+ the tests).
@@ -270,7 +270,7 @@ elif [ "$MODE" = ab ]; then
     grep -hE "passed|failed|Error|assert" "$OUT/ab_ktests.log" | tail -4
   fi
   step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $ABD \
-    --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches 1,4 --rounds "${ROUNDS:-3}"
+    --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches "${BATCHES:-1,4}" --rounds "${ROUNDS:-3}" ${AB_ARGS:-}
   grep -E "^\||equal|differ|DIFFER|Error" "$OUT/ab.log" | tail -16
   if [ "${TRACE:-0}" = 1 ]; then  # TRACE_ARGS: e.g. --cold; TRACE_DEFINES="NAME=VALUE ..": also those builds' traces
     step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 ${TRACE_ARGS:-}

@@ -6,8 +6,9 @@ those clusters' CTAs and the role's warps:
 
 - cycles per sub-tile between the warp's first sub-tile and the end of its last one, and how many of them it spent
   inside each wait: the stage's copies (full), the peer CTA's scores (score warps) or the P^T buffer (output
-  warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps); "busy" is
-  the rest;
+  warps), the P^T buffer's release (score warps), the peer's read of the exchange buffer (score warps); in bf16
+  builds the producer warp has a row too, its waits for a stage to empty in the first wait column; "busy" is the
+  rest (the producer: its copies' issue and page-table reads);
 - the cycles before the first sub-tile (the score warps' Q loads, the first stage) and after the last (row sums,
   epilogue), and the SM clock in GHz (%clock64 cycles over %globaltimer ns across the warp's whole span);
 - the launch's timeline (%globaltimer ns): how far apart the CTAs start, a CTA's start to its cluster barrier, a
@@ -53,8 +54,11 @@ from mlagen.spec import Variant  # noqa: E402
 LINE = re.compile(r"dst_trace cta (\d+) warp (\d+) role (\w+) sub (\d+) cycles (\d+) ns (\d+) before (\d+) "
                   r"after (\d+) wait (\d+) (\d+) (\d+) (\d+)(?: split (\d+) entry (\d+) t0 (\d+) end (\d+) q (\d+) s0 (\d+))?")
 # the four wait slots of mla_verify_dimsplit_t.cuh (kTraceStage, kTracePeer, kTraceP, kTraceXEmpty) per role
+# (bf16 builds: the producer warp has a row too, its waits for a stage to empty in the stage slot; its busy cycles
+# are its copies' issue and its page-table reads)
 WAITS = {"score": ("stage", "peer scores", "P^T free", "peer read"),
-         "output": ("stage", "-", "P^T", "-")}
+         "output": ("stage", "-", "P^T", "-"),
+         "producer": ("ring free", "-", "-", "-")}
 
 
 def parse(text: str) -> list[dict]:

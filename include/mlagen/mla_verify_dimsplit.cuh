@@ -278,11 +278,18 @@ __device__ __forceinline__ const __nv_bfloat16* q_row_of(const MlaVerifyParams& 
 // page_next rotation into a register move that waits for the load one tile later, so the latency overlaps
 // one tile's copies and empty[stage] wait: not a dependent stall right after the load, as before.) With
 // Cfg::kL2PrefetchTiles > 0 (dimsplit_t) the lanes also prefetch into L2 the rows of the tile that far ahead.
-template <class Cfg>
+// How the producer waits for a stage to empty: a blocking wait (dimsplit_t's MLAGEN_DST_TRACE builds pass one that is
+// timed).
+struct BlockingStageWait {
+  __device__ __forceinline__ void operator()(uint64_t* bar, uint32_t parity) const {
+    ptx::mbarrier_wait_parity(bar, parity);
+  }
+};
+template <class Cfg, class StageWait = BlockingStageWait>
 __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, const int32_t* page_row, int b, int kv_len,
                                                       int prefix_len, int tile_begin, int num_tiles, uint32_t rank,
                                                       int warp, int lane, __nv_bfloat16* kv_smem, uint64_t* full_bar,
-                                                      uint64_t* empty_bar) {
+                                                      uint64_t* empty_bar, StageWait&& wait_stage = StageWait{}) {
   static_assert(!Cfg::kZeroFillTail || !Cfg::kBulkLoad, "the zero-filled tail is a cp.async-producer feature");
   // Producer warp pw: tokens [tok_p, tok_p + kTokensPerProducer) of each tile; lane n loads token tok_p + n.
   const int tok_p = (warp - Cfg::kProducerWarp) * Cfg::kTokensPerProducer;
@@ -334,7 +341,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
         page_pf = i + kPf + 1 < num_tiles ? page_of(tile + kPf + 1) : 0;
       }
     }
-    if (i >= Cfg::kStages) ptx::mbarrier_wait_parity(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
+    if (i >= Cfg::kStages) wait_stage(empty_bar + stage, static_cast<uint32_t>(i / Cfg::kStages - 1) & 1u);
     const int64_t slot = addr_of(tile, page_next);
     page_next = page_next2;
     page_next2 = i + 2 < num_tiles ? page_of(tile + 2) : 0;

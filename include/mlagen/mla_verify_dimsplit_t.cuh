@@ -110,6 +110,7 @@
 #endif
 
 // MLAGEN_DST_TRACE 0 (every shipped build): 1: a diagnostic build that times each consumer warp's waits with %clock64
+// (and, in bf16 builds, the producer warp's waits for a stage to empty: perf-notes v38)
 // and prints, for every cluster of row block 0 (blockIdx.x < 2: every split and request) of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
 // cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), the
@@ -574,8 +575,14 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       dimsplit_produce_fp8<Cfg>(p, page_row, kv_len, prefix_len, tile_begin, num_tiles, rank, lane, fp8_smem,
                                 full8_bar, empty8_bar);
     } else {
+      // (MLAGEN_DST_TRACE: its waits for a stage to empty timed in the stage slot)
+      auto wait_stage = [&](uint64_t* bar, uint32_t parity) {
+        traced(kTraceStage, [&] { ptx::mbarrier_wait_parity(bar, parity); });
+      };
+      trace_mark(false);
       dimsplit_produce_bf16<Cfg>(p, page_row, b, kv_len, prefix_len, tile_begin, num_tiles, rank, warp, lane, kv_smem,
-                                 full_bar, empty_bar);
+                                 full_bar, empty_bar, wait_stage);
+      trace_mark(true);
     }
   } else if (warp < Cfg::kScoreWarps) {
     // ---- score warp sw: rows [24 sw, 24 sw + 24) of the cluster's block, n8 tile nt = rows 24 sw + 8 nt + (0..7)
@@ -1090,13 +1097,13 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   }
   __syncwarp();
 #if MLAGEN_DST_TRACE
-  if (lane == 0 && blockIdx.x < 2 && warp != Cfg::kProducerWarp) {
+  if (lane == 0 && blockIdx.x < 2 && (warp != Cfg::kProducerWarp || !Cfg::kKvFp8)) {
     const uint64_t t1 = ptx::clock64_cycles(), ns1 = ptx::globaltimer_ns();
     const unsigned long long* w = trace_wait_smem[warp];
     printf("dst_trace cta %d warp %d role %s sub %d cycles %llu ns %llu before %llu after %llu wait %llu %llu %llu %llu"
            " split %d entry %llu t0 %llu end %llu q %llu s0 %llu\n",
            static_cast<int>(blockIdx.x), warp,
-           warp < Cfg::kScoreWarps ? "score" : "output", num_sub,
+           warp < Cfg::kScoreWarps ? "score" : warp == Cfg::kProducerWarp ? "producer" : "output", num_sub,
            static_cast<unsigned long long>(t1 - trace_t0), static_cast<unsigned long long>(ns1 - trace_ns0),
            static_cast<unsigned long long>(trace_first - trace_t0), static_cast<unsigned long long>(t1 - trace_last),
            w[0], w[1], w[2], w[3], split + b * static_cast<int>(gridDim.y),
