@@ -269,8 +269,9 @@ elif [ "$MODE" = ab ]; then
     wait
     grep -hE "passed|failed|Error|assert" "$OUT/ab_ktests.log" | tail -4
   fi
+  read -r -a ab_args <<< "${AB_ARGS:-}"  # (split on blanks, never globbed)
   step ab "${AB_LIMIT:-300}" python3 tools/device_ab_define.py "$URI" $ABD \
-    --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches "${BATCHES:-1,4}" --rounds "${ROUNDS:-3}" ${AB_ARGS:-}
+    --contexts "${CONTEXTS:-4096,16384,65536,131072}" --batches "${BATCHES:-1,4}" --rounds "${ROUNDS:-3}" "${ab_args[@]}"
   grep -E "^\||equal|differ|DIFFER|Error" "$OUT/ab.log" | tail -16
   if [ "${TRACE:-0}" = 1 ]; then  # TRACE_ARGS: e.g. --cold; TRACE_DEFINES="NAME=VALUE ..": also those builds' traces
     step trace 200 python3 tools/dst_trace.py "$URI" --contexts 4096,65536 --batches 1 ${TRACE_ARGS:-}
