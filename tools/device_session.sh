@@ -228,7 +228,7 @@ elif [ "$MODE" = diag ]; then
     --contexts 4096,16384,65536,131072 --batches 1,4 --rounds 3
   grep -E "^\||equal|differ|DIFFER" "$OUT/d_ab.log" | tail -16
   step d_trace 200 python3 tools/dst_trace.py "$URI" --contexts 65536 --batches 1,4 --define "$DEF=$VAL"
-  grep -E "^\| (score|output)|^bs" "$OUT/d_trace.log"
+  grep -E "^\| (score|output|producer)|^bs" "$OUT/d_trace.log"
   step d_memcheck 240 $SAN --tool memcheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL" &
   step d_racecheck 300 $SAN --tool racecheck --error-exitcode 9 python3 tools/device_profile.py "$URI" 0 0 quick "$DEF=$VAL" &
   wait
