@@ -217,7 +217,8 @@ def main() -> int:
             for r in rows:
                 names = WAITS[r["role"].split()[0]]
                 w = " | ".join(f"{x:.0f} ({n})" for x, n in zip(r["wait"][1:], names[1:]))
-                print(f"| {r['role']} | {r['warps']} | {r['sub']:.0f} | {r['loop']:.0f} | {r['wait'][0]:.0f} | {w} | "
+                w0 = f"{r['wait'][0]:.0f}" + ("" if names[0] == "stage" else f" ({names[0]})")  # producer: ring free
+                print(f"| {r['role']} | {r['warps']} | {r['sub']:.0f} | {r['loop']:.0f} | {w0} | {w} | "
                       f"{r['busy']:.0f} | {r['before']:.0f} | {r['after']:.0f} | {r['ghz']:.2f} |", flush=True)
             tl = timeline(launches)
             if tl is not None:
