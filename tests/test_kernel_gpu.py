@@ -297,6 +297,61 @@ def test_graph_replay_matches_eager(kernels):
         assert torch.isfinite(got_out).all()
 
 
+def test_dimsplit_t_back_to_back_calls_share_a_workspace(kernels):
+    """Shipped dimsplit_t builds launch the partial kernel as a programmatic dependent of the kernel before it, and
+    the combine lets the next kernel launch from its start (MLAGEN_DST_PDL 1): a call's partial kernel may start
+    while the previous call's combine still reads the workspace that both use. Calls alternating a long batch (its
+    combine reads many splits) and a short one (its partial kernel reaches its stores soonest), captured in one CUDA
+    graph and also launched eagerly back to back, must each give the output of the same call run alone."""
+    from mlagen.bench import capture_graph
+    from mlagen.cases import make_problem
+
+    k = next(k for k in kernels["k2_dst"] if k.variant.nsplit == "auto" and k.variant.page_size == 1
+             and k.variant.stages == 4)
+    v = k.variant
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    probs = []
+    for i in range(6):  # even: 4 requests of 3-5k tokens; odd: one request of at most 2 tiles
+        lens = (torch.randint(3000, 5001, (4,), generator=gen) if i % 2 == 0
+                else torch.randint(v.q_len, 2 * v.block_n + 1, (1,), generator=gen))
+        probs.append(make_problem(v, lens.tolist(), device="cuda"))
+    ws = k.alloc_workspace(4, "cuda")
+
+    def out_lse(p):
+        n = p.kv_lens.numel() * v.q_len
+        return (torch.empty(n, v.heads, v.dim_v, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(n, v.heads, dtype=torch.float32, device="cuda"))
+
+    alone = []
+    for p in probs:  # each call alone (synchronized before the next)
+        out, lse = out_lse(p)
+        out.fill_(float("nan"))
+        k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        alone.append((out, lse))
+    outs = [out_lse(p) for p in probs]
+
+    def run_all():
+        for p, (out, lse) in zip(probs, outs):
+            k(p.q, p.kv_cache, p.block_table, p.kv_lens, out=out, lse=lse, workspace=ws, **p.kernel_args())
+
+    g = capture_graph(run_all)
+    for how in ("graph", "eager"):
+        for _ in range(20):
+            for out, lse in outs:
+                out.fill_(float("nan"))
+                lse.fill_(float("nan"))
+            if how == "graph":
+                g.replay()
+            else:
+                run_all()
+            torch.cuda.synchronize()
+            for i, ((out, lse), (ref_out, ref_lse)) in enumerate(zip(outs, alone)):
+                assert torch.equal(out, ref_out), f"{how}: call {i} differs from the same call run alone"
+                assert torch.equal(lse, ref_lse), f"{how}: call {i}'s LSE differs from the same call run alone"
+
+
 # dimsplit_t builds with the combine folded in (MLAGEN_DST_MERGE 1, a diagnostic build; mla_verify_merge.cuh):
 # H8 q9 tree 4 stages, H16 page size 64 (two row blocks), H1 q5 causal fixed NSPLIT, the e4m3 tile
 MERGE_URIS = ["mla_verify_h8_q9_kv512_rope64_ps1_nsauto_lw128_bn32_w8_rt3_st4_dimsplit_t_tree_bf16_sm120_sm90",

@@ -5,7 +5,7 @@ fall on all builds alike; first, each build's output is compared bit for bit wit
 per shape (a difference stops the run; with --atol, a max |difference| above it). Diagnostic defines:
 MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER, MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT, MLAGEN_DST_MASK_PEEL,
 MLAGEN_DST_MERGE, MLAGEN_DST_L2_PREFETCH, MLAGEN_DST_BULK, MLAGEN_DST_HALF_K, MLAGEN_DST_PBUFS, MLAGEN_DST_XBUFS,
-MLAGEN_DST_EPILOGUE, MLAGEN_DST_RESCALE_SLACK, MLAGEN_DST_RESCALE_FLAG,
+MLAGEN_DST_EPILOGUE, MLAGEN_DST_RESCALE_SLACK, MLAGEN_DST_RESCALE_FLAG, MLAGEN_DST_PDL,
 MLAGEN_DST_TRACE (include/mlagen/mla_verify_dimsplit_t.cuh; read by tools/dst_trace.py),
 MLAGEN_DST_PARTIAL_BF16 (mla_verify_partial_store.cuh), MLAGEN_COMBINE_UNROLL (mla_verify_combine.cuh),
 MLAGEN_MERGE_DIAG (include/mlagen/mla_verify_merge.cuh),

@@ -202,11 +202,32 @@ struct ClusterSplit {
   int64_t ws_row_base;       // workspace row of (request, split, row0)
 };
 
-// Fills `w` for the CTA of row block `row_block`, split `split`, request `b`; stores this step's draft rows
-// (k_new at kv_write_loc, each CTA of the request's first cluster its half of the dims). Returns false when
-// the CTA has nothing to do: its block starts past the request's rows, or its split is empty (rank 0 then
-// writes LSE -inf for the block's rows, so the combine skips it). Both CTAs of a cluster return the same.
+// This step's draft rows (k_new at kv_write_loc), stored by the request's first cluster, each CTA its half of the dims.
 template <class Cfg>
+__device__ __forceinline__ void store_split_draft_rows(const MlaVerifyParams& p, int b, int row_block, int split,
+                                                       uint32_t rank, int tid) {
+  if (row_block == 0 && split == 0) {
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid,
+                                   Cfg::kThreads);
+    store_new_kv_rows<Cfg::kKvFp8>(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf,
+                                   tid, Cfg::kThreads);
+  }
+}
+
+// An empty split: rank 0 writes LSE -inf for the block's rows, so the combine skips it.
+template <class Cfg>
+__device__ __forceinline__ void store_empty_split_lse(const MlaVerifyParams& p, uint32_t rank, int tid,
+                                                      const ClusterSplit& w) {
+  if (rank == 0)
+    for (int r = tid; r < w.live_rows; r += Cfg::kThreads) p.lse_part[w.ws_row_base + r] = -INFINITY;
+}
+
+// Fills `w` for the CTA of row block `row_block`, split `split`, request `b`. Returns false when the CTA has nothing
+// to do: its block starts past the request's rows, or its split is empty. Both CTAs of a cluster return the same.
+// Reads the request's kv_len. With kStores (the default) it also makes the split's global stores: the draft rows
+// (store_split_draft_rows) and, for an empty split, its LSE (store_empty_split_lse); without, the caller makes them
+// (cluster_split_stores), e.g. after waiting for the kernel before (MLAGEN_DST_PDL).
+template <class Cfg, bool kStores = true>
 __device__ __forceinline__ bool cluster_split_begin(const MlaVerifyParams& p, int b, int row_block, int split,
                                                     uint32_t rank, int tid, ClusterSplit& w) {
   w.rows = p.q_len * Cfg::kHeads;
@@ -216,19 +237,21 @@ __device__ __forceinline__ bool cluster_split_begin(const MlaVerifyParams& p, in
   w.kv_len = request_kv_len(p, b);
   w.prefix_len = w.kv_len - p.q_len;
   split_tile_range(w.kv_len, Cfg::kBlockN, p.num_splits, p.min_tiles_per_split, split, w.tile_begin, w.tile_end);
-  if (row_block == 0 && split == 0) {
-    store_new_kv_rows<Cfg::kKvFp8>(p, b, static_cast<int>(rank) * Cfg::kLatentHalf, Cfg::kLatentHalf, tid,
-                                   Cfg::kThreads);
-    store_new_kv_rows<Cfg::kKvFp8>(p, b, Cfg::kKvLoraRank + static_cast<int>(rank) * Cfg::kRopeHalf, Cfg::kRopeHalf,
-                                   tid, Cfg::kThreads);
-  }
+  if constexpr (kStores) store_split_draft_rows<Cfg>(p, b, row_block, split, rank, tid);
   w.ws_row_base = (static_cast<int64_t>(b) * p.num_splits + split) * Cfg::kRowsMax + w.row0;
   if (w.tile_begin >= w.tile_end) {
-    if (rank == 0)
-      for (int r = tid; r < w.live_rows; r += Cfg::kThreads) p.lse_part[w.ws_row_base + r] = -INFINITY;
+    if constexpr (kStores) store_empty_split_lse<Cfg>(p, rank, tid, w);
     return false;
   }
   return true;
+}
+
+// The stores cluster_split_begin<Cfg, false> left out, for a CTA whose block has rows (w.row0 < w.rows).
+template <class Cfg>
+__device__ __forceinline__ void cluster_split_stores(const MlaVerifyParams& p, int b, int row_block, int split,
+                                                     uint32_t rank, int tid, const ClusterSplit& w) {
+  store_split_draft_rows<Cfg>(p, b, row_block, split, rank, tid);
+  if (w.tile_begin >= w.tile_end) store_empty_split_lse<Cfg>(p, rank, tid, w);
 }
 
 // Zero the KV ring once: columns past kv_len in a request's last tile are never loaded and then hold finite

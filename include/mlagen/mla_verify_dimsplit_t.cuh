@@ -172,6 +172,18 @@
 #define MLAGEN_DST_RESCALE_FLAG -1
 #endif
 
+// MLAGEN_DST_PDL 1 (every shipped build): the partial kernel is launched as a programmatic dependent of the kernel
+// before it in the stream (cudaLaunchAttributeProgrammaticStreamSerialization), and the combine lets the next kernel
+// launch from its start, so a call's CTAs may be scheduled while the kernel before it (e.g. the previous call's
+// combine) still runs; they wait (griddepcontrol.wait) at their first instruction, before any global access, so the
+// order of every read and write is the stream's. On an H100 it took 0.943x the time at 4k bs 1 and 0.969x at bs 4,
+// 0.98-0.99x from 16k up (perf-notes v39). 0: launched in stream order (v38). 2 and 3 (diagnostic): the wait comes
+// after reading the request's kv_len and page-table row index (2) and after the cluster's barrier set-up as well (3),
+// correct only when the kernel just before wrote neither; 2 measured 0.917x at 4k bs 1. For A/B timing.
+#ifndef MLAGEN_DST_PDL
+#define MLAGEN_DST_PDL 1
+#endif
+
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -224,6 +236,9 @@ struct MlaDimSplitTConfig {
   // (dimsplit_t_convert_fp8_tile; docs/perf-notes.md v18).
   static constexpr bool kKvFp8 = kKvFp8_;
   static constexpr int kClusterCtas = 2;
+  // Programmatic dependent launch of the partial kernel and where it waits (MLAGEN_DST_PDL).
+  static constexpr int kPdl = MLAGEN_DST_PDL;
+  static_assert(kPdl >= 0 && kPdl <= 3, "MLAGEN_DST_PDL is 0-3");
   static constexpr int kHeads = kHeads_;
   static constexpr int kQLenMax = kQLenMax_;
   static constexpr int kKvLoraRank = kKvLoraRank_;
@@ -490,7 +505,15 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   const int q_len = p.q_len;
   const int32_t* page_row = request_page_row(p, b);  // its index load ahead of kv_len's (no dependence)
   ClusterSplit w;
-  if (!cluster_split_begin<Cfg>(p, b, row_block, split, rank, tid, w)) return;  // the same for both CTAs
+  // MLAGEN_DST_PDL 2 / 3: the split's stores wait for the kernel before (3: a live split's after the barrier set-up)
+  const bool live = cluster_split_begin<Cfg, Cfg::kPdl < 2>(p, b, row_block, split, rank, tid, w);
+  if constexpr (Cfg::kPdl >= 2) {
+    if (w.row0 < w.rows && (Cfg::kPdl == 2 || !live)) {
+      ptx::griddep_wait();
+      cluster_split_stores<Cfg>(p, b, row_block, split, rank, tid, w);
+    }
+  }
+  if (!live) return;  // the same for both CTAs
   const int rows = w.rows, row0 = w.row0, live_rows = w.live_rows, kv_len = w.kv_len, prefix_len = w.prefix_len;
   const int tile_begin = w.tile_begin;
   const int64_t ws_row_base = w.ws_row_base;
@@ -529,6 +552,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       reinterpret_cast<uint4*>(fp8_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
   }
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
+  if constexpr (Cfg::kPdl == 3) {
+    ptx::griddep_wait();
+    cluster_split_stores<Cfg>(p, b, row_block, split, rank, tid, w);
+  }
 
   // MLAGEN_DST_TRACE: per warp, cycles inside each wait kind (slots kTrace*), summed by lane 0 in shared memory
   constexpr int kTraceStage = 0, kTracePeer = 1, kTraceP = 2, kTraceXEmpty = 3;
@@ -1122,6 +1149,7 @@ template <class Cfg>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
     mla_verify_dimsplit_t_kernel(const MlaVerifyParams p) {
   ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
+  if constexpr (Cfg::kPdl == 1) ptx::griddep_wait();  // (MLAGEN_DST_PDL 1: before any global access)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   dimsplit_t_partial<Cfg>(p, smem_raw);
   if constexpr (Cfg::kFusedMerge) {

@@ -28,6 +28,16 @@ constexpr auto partial_kernel() {
   }
 }
 
+// MLAGEN_DST_PDL of a config (mla_verify_dimsplit_t.cuh): 0 for the other schedules.
+template <class Cfg>
+constexpr int partial_pdl() {
+  if constexpr (Cfg::kTransposed) {
+    return Cfg::kPdl;
+  } else {
+    return 0;
+  }
+}
+
 template <class Cfg>
 cudaError_t mla_verify_prepare() {
   return cudaFuncSetAttribute(partial_kernel<Cfg>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
@@ -61,7 +71,7 @@ template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   // o_part's element type: every config says (fp32, or bf16 for dimsplit_t: mla_verify_partial_store.cuh)
   auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks,
-                                            typename Cfg::PartialT>;
+                                            typename Cfg::PartialT, (partial_pdl<Cfg>() > 0)>;
   const dim3 grid(Cfg::kRowsMax * kChunks, p.batch_size);
   if (combine_pdl_enabled()) {
     cudaLaunchConfig_t cfg = {};
@@ -138,8 +148,23 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p_in, cudaStream_t stream) 
   const long long clusters = static_cast<long long>(Cfg::kRowBlocks) * p.num_splits * p.batch_size;
   const bool fused = mla_verify_fused_merge<Cfg>(p, clusters);
   if (!fused) p.merge_counters = nullptr;
-  partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  if constexpr (partial_pdl<Cfg>() > 0) {  // a programmatic dependent of the kernel before (MLAGEN_DST_PDL)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid_partial;
+    cfg.blockDim = dim3(Cfg::kThreads);
+    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, partial_kernel<Cfg>(), p);
+  } else {
+    partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess || fused) return err;
   switch (combine_chunks(p.num_splits)) {
     case 8:
