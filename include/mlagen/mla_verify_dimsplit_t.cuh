@@ -114,7 +114,8 @@
 // and prints, for every cluster of row block 0 (blockIdx.x < 2: every split and request) of every launch, one line per warp (tools/dst_trace.py reads them): its sub-tiles,
 // the cycles and the %globaltimer ns from the cluster barrier to the end of its role (cycles / ns: the SM clock), the
 // cycles before its first sub-tile (score warps: the Q loads) and after its last (the row sums / the epilogue), the
-// cycles inside each of its waits (perf-notes v28), and the absolute %globaltimer ns of its CTA's start, of the cluster
+// cycles inside each of its waits (perf-notes v28), and the absolute %globaltimer ns of its CTA's start (with
+// MLAGEN_DST_PDL 1: once its wait for the kernel before has returned), of the cluster
 // barrier and of its role's end (the launch's timeline), and for the score warps the cycles from the cluster barrier
 // until every Q fragment has landed and until the first stage has (perf-notes v35).
 #ifndef MLAGEN_DST_TRACE
@@ -177,7 +178,7 @@
 // launch from its start, so a call's CTAs may be scheduled while the kernel before it (e.g. the previous call's
 // combine) still runs; they wait (griddepcontrol.wait) at their first instruction, before any global access, so the
 // order of every read and write is the stream's. On an H100 it took 0.943x the time at 4k bs 1 and 0.969x at bs 4,
-// 0.98-0.99x from 16k up (perf-notes v39). 0: launched in stream order (v38). 2 and 3 (diagnostic): the wait comes
+// 0.98-1.00x from 16k up (perf-notes v39). 0: launched in stream order (v38). 2 and 3 (diagnostic): the wait comes
 // after reading the request's kv_len and page-table row index (2) and after the cluster's barrier set-up as well (3),
 // correct only when the kernel just before wrote neither; 2 measured 0.917x at 4k bs 1. For A/B timing.
 #ifndef MLAGEN_DST_PDL
@@ -1154,6 +1155,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   dimsplit_t_partial<Cfg>(p, smem_raw);
   if constexpr (Cfg::kFusedMerge) {
     if (p.merge_counters != nullptr) {
+      // (MLAGEN_DST_PDL 2 / 3: a CTA whose block starts past the request's rows returned without waiting; the merge's
+      // counters are the kernel before's too)
+      if constexpr (Cfg::kPdl >= 2) ptx::griddep_wait();
       merge_partials<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, Cfg::kThreads>(p, smem_raw);
     }
   }

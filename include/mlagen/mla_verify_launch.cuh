@@ -28,6 +28,29 @@ constexpr auto partial_kernel() {
   }
 }
 
+// Launch `kernel` with cudaLaunchAttributeProgrammaticStreamSerialization: it may start while the kernel before it in
+// the stream still runs (once that kernel's CTAs have all run griddepcontrol.launch_dependents or exited), so it must
+// run ptx::griddep_wait() before touching anything that kernel writes. CUDA-graph capture keeps the programmatic edge.
+// A driver that refuses the attribute gets its error returned (and cleared from the runtime's last error), with no
+// silent fall-back, which could not work inside a stream capture anyway.
+template <class Kernel>
+cudaError_t launch_programmatic_dependent(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                                          const MlaVerifyParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
 // MLAGEN_DST_PDL of a config (mla_verify_dimsplit_t.cuh): 0 for the other schedules.
 template <class Cfg>
 constexpr int partial_pdl() {
@@ -64,28 +87,15 @@ inline bool combine_pdl_enabled() {
 
 // The combine of a config with kChunks dim chunks per row (mla_verify_combine.cuh). With PDL its CTAs may be
 // scheduled while the partial kernel's last CTAs still run (they wait in ptx::griddep_wait) instead of after the
-// partial kernel has drained; CUDA-graph capture keeps the programmatic edge. PDL is opt-in: a driver that
-// refuses the attribute returns its error (no silent fallback, which could not work inside a stream capture
-// anyway). Without PDL, griddep_wait returns at once (stream order already holds).
+// partial kernel has drained (launch_programmatic_dependent). PDL is opt-in. Without PDL, griddep_wait returns at
+// once (stream order already holds).
 template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   // o_part's element type: every config says (fp32, or bf16 for dimsplit_t: mla_verify_partial_store.cuh)
   auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks,
                                             typename Cfg::PartialT, (partial_pdl<Cfg>() > 0)>;
   const dim3 grid(Cfg::kRowsMax * kChunks, p.batch_size);
-  if (combine_pdl_enabled()) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kCombineThreads);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, p);
-  }
+  if (combine_pdl_enabled()) return launch_programmatic_dependent(kernel, grid, dim3(kCombineThreads), 0, stream, p);
   kernel<<<grid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -150,17 +160,8 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p_in, cudaStream_t stream) 
   if (!fused) p.merge_counters = nullptr;
   cudaError_t err = cudaSuccess;
   if constexpr (partial_pdl<Cfg>() > 0) {  // a programmatic dependent of the kernel before (MLAGEN_DST_PDL)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid_partial;
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, partial_kernel<Cfg>(), p);
+    err = launch_programmatic_dependent(partial_kernel<Cfg>(), grid_partial, dim3(Cfg::kThreads), Cfg::kSmemBytes,
+                                        stream, p);
   } else {
     partial_kernel<Cfg>()<<<grid_partial, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
