@@ -10,6 +10,7 @@ MLAGEN_DST_TRACE (include/mlagen/mla_verify_dimsplit_t.cuh; read by tools/dst_tr
 MLAGEN_DST_PARTIAL_BF16 (mla_verify_partial_store.cuh), MLAGEN_COMBINE_UNROLL (mla_verify_combine.cuh),
 MLAGEN_MERGE_DIAG (include/mlagen/mla_verify_merge.cuh),
 MLAGEN_MBAR_WAIT, MLAGEN_CP_ASYNC_CA (include/mlagen/ptx.cuh),
+MLAGEN_ROWBLOCK_PDL (include/mlagen/mla_verify_config.cuh),
 MLAGEN_BATCH_DIRECT (include/mlagen/mla_verify_batch.cuh), MLAGEN_ABLATE (include/mlagen/mla_verify_partial.cuh).
 Several --define options are zipped: build i gets the i-th value of each (all must list as many values).
 

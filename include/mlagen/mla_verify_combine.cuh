@@ -91,7 +91,8 @@ struct CombineShape {
 // __nv_bfloat16 for shipped dimsplit_t builds: MLAGEN_DST_PARTIAL_BF16, mla_verify_partial_store.cuh); bf16 partials
 // in the paired layout (kPartialPaired) go to their dims in the final store.
 // kLaunchNext: the next kernel in the stream (the next call's partial kernel, launched as a programmatic dependent:
-// MLAGEN_DST_PDL) may be scheduled from this kernel's start; it waits for this grid's end before touching o_part.
+// MLAGEN_DST_PDL, MLAGEN_ROWBLOCK_PDL) may be scheduled from this kernel's start; it waits for this grid's end before
+// touching o_part.
 template <int kHeads, int kRowsMax, int kDimV, int kBlockN, int kChunks, typename PartialT = float,
           bool kLaunchNext = false>
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(const MlaVerifyParams p) {

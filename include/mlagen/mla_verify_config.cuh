@@ -4,6 +4,15 @@
 #pragma once
 #include <cstdint>
 
+// MLAGEN_ROWBLOCK_PDL 0 (every shipped build): the rowblock partial kernel is launched in stream order. 1: as a
+// programmatic dependent of the kernel before it, waiting (griddepcontrol.wait) at its first instruction, with the
+// combine letting the next kernel launch from its start: MLAGEN_DST_PDL 1's form (mla_verify_dimsplit_t.cuh), which
+// took 0.94-0.97x the time of dimsplit_t's calls at 4k (perf-notes v39). Built for an A/B of the rowblock tiles (the
+// q_len 1 winners), not yet timed.
+#ifndef MLAGEN_ROWBLOCK_PDL
+#define MLAGEN_ROWBLOCK_PDL 0
+#endif
+
 namespace mlagen {
 
 enum class MaskKind : int { kNone = 0, kCausal = 1, kTree = 2 };
@@ -20,6 +29,9 @@ struct MlaVerifyConfig {
   using PartialT = float;                     // o_part's element type (dimsplit_t: mla_verify_partial_store.cuh)
   static constexpr bool kFusedMerge = false;  // the combine folded in: dimsplit_t diagnostic builds only
   static constexpr int kClusterCtas = 1;
+  // Programmatic dependent launch of the partial kernel, waiting at its first instruction (MLAGEN_ROWBLOCK_PDL).
+  static constexpr int kPdl = MLAGEN_ROWBLOCK_PDL;
+  static_assert(kPdl == 0 || kPdl == 1, "MLAGEN_ROWBLOCK_PDL is 0 or 1");
   // Problem shape (DeepSeek-V3 / Kimi-K2 absorbed MLA).
   static constexpr int kHeads = kHeads_;          // H: query heads per rank
   static constexpr int kQLenMax = kQLenMax_;      // max draft tokens per request

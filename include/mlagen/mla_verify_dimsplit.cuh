@@ -50,6 +50,7 @@ struct MlaDimSplitConfig {
   static constexpr bool kTransposed = false;  // S^T / O^T MMAs: dimsplit_t only
   using PartialT = float;                     // o_part's element type (dimsplit_t: mla_verify_partial_store.cuh)
   static constexpr bool kFusedMerge = false;  // the combine folded in: dimsplit_t diagnostic builds only
+  static constexpr int kPdl = 0;              // launched in stream order (dimsplit_t: MLAGEN_DST_PDL)
   static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
   static constexpr bool kZeroFillTail = false;  // the ring is zeroed up front (zero_kv_ring)
   static constexpr bool kProducerV16 = false;   // dimsplit_produce_bf16 as in v15 (dimsplit_t's v16 producer: off)

@@ -51,16 +51,6 @@ cudaError_t launch_programmatic_dependent(Kernel kernel, dim3 grid, dim3 block, 
   return err;
 }
 
-// MLAGEN_DST_PDL of a config (mla_verify_dimsplit_t.cuh): 0 for the other schedules.
-template <class Cfg>
-constexpr int partial_pdl() {
-  if constexpr (Cfg::kTransposed) {
-    return Cfg::kPdl;
-  } else {
-    return 0;
-  }
-}
-
 template <class Cfg>
 cudaError_t mla_verify_prepare() {
   return cudaFuncSetAttribute(partial_kernel<Cfg>(), cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
@@ -93,7 +83,7 @@ template <class Cfg, int kChunks>
 cudaError_t mla_verify_combine_launch(const MlaVerifyParams& p, cudaStream_t stream) {
   // o_part's element type: every config says (fp32, or bf16 for dimsplit_t: mla_verify_partial_store.cuh)
   auto* kernel = &mla_verify_combine_kernel<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, kChunks,
-                                            typename Cfg::PartialT, (partial_pdl<Cfg>() > 0)>;
+                                            typename Cfg::PartialT, (Cfg::kPdl > 0)>;
   const dim3 grid(Cfg::kRowsMax * kChunks, p.batch_size);
   if (combine_pdl_enabled()) return launch_programmatic_dependent(kernel, grid, dim3(kCombineThreads), 0, stream, p);
   kernel<<<grid, kCombineThreads, 0, stream>>>(p);
@@ -159,7 +149,7 @@ cudaError_t mla_verify_launch(const MlaVerifyParams& p_in, cudaStream_t stream) 
   const bool fused = mla_verify_fused_merge<Cfg>(p, clusters);
   if (!fused) p.merge_counters = nullptr;
   cudaError_t err = cudaSuccess;
-  if constexpr (partial_pdl<Cfg>() > 0) {  // a programmatic dependent of the kernel before (MLAGEN_DST_PDL)
+  if constexpr (Cfg::kPdl > 0) {  // a programmatic dependent of the kernel before (MLAGEN_DST_PDL, MLAGEN_ROWBLOCK_PDL)
     err = launch_programmatic_dependent(partial_kernel<Cfg>(), grid_partial, dim3(Cfg::kThreads), Cfg::kSmemBytes,
                                         stream, p);
   } else {

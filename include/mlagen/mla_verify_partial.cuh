@@ -82,6 +82,7 @@ __device__ __forceinline__ bool key_visible(int key_pos, int kv_len, int prefix_
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) mla_verify_partial_kernel(const MlaVerifyParams p) {
   ptx::griddep_launch_dependents();  // the combine's CTAs may be scheduled now; they wait for this grid's end
+  if constexpr (Cfg::kPdl == 1) ptx::griddep_wait();  // (MLAGEN_ROWBLOCK_PDL 1: before any global access)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kStages][kBlockN][kKvRowElems]
   float* s_part_smem = reinterpret_cast<float*>(smem_raw + Cfg::kSmemKv);  // [kWarps][kRowsPerCta][kBlockN]
