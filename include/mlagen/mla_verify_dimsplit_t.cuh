@@ -178,9 +178,10 @@
 // launch from its start, so a call's CTAs may be scheduled while the kernel before it (e.g. the previous call's
 // combine) still runs; they wait (griddepcontrol.wait) at their first instruction, before any global access, so the
 // order of every read and write is the stream's. On an H100 it took 0.943x the time at 4k bs 1 and 0.969x at bs 4,
-// 0.98-1.00x from 16k up (perf-notes v39). 0: launched in stream order (v38). 2 and 3 (diagnostic): the wait comes
-// after reading the request's kv_len and page-table row index (2) and after the cluster's barrier set-up as well (3),
-// correct only when the kernel just before wrote neither; 2 measured 0.917x at 4k bs 1. For A/B timing.
+// 0.98-1.00x from 16k up (perf-notes v39). 0: launched in stream order (v38). 2 (diagnostic): the wait comes after
+// reading the request's kv_len and page-table row index, correct only when the kernel just before wrote neither;
+// 0.917x at 4k bs 1 (a wait after the cluster's barrier set-up as well gained nothing more and was removed). For A/B
+// timing.
 #ifndef MLAGEN_DST_PDL
 #define MLAGEN_DST_PDL 1
 #endif
@@ -239,7 +240,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kClusterCtas = 2;
   // Programmatic dependent launch of the partial kernel and where it waits (MLAGEN_DST_PDL).
   static constexpr int kPdl = MLAGEN_DST_PDL;
-  static_assert(kPdl >= 0 && kPdl <= 3, "MLAGEN_DST_PDL is 0-3");
+  static_assert(kPdl >= 0 && kPdl <= 2, "MLAGEN_DST_PDL is 0-2");
   static constexpr int kHeads = kHeads_;
   static constexpr int kQLenMax = kQLenMax_;
   static constexpr int kKvLoraRank = kKvLoraRank_;
@@ -506,10 +507,10 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   const int q_len = p.q_len;
   const int32_t* page_row = request_page_row(p, b);  // its index load ahead of kv_len's (no dependence)
   ClusterSplit w;
-  // MLAGEN_DST_PDL 2 / 3: the split's stores wait for the kernel before (3: a live split's after the barrier set-up)
-  const bool live = cluster_split_begin<Cfg, Cfg::kPdl < 2>(p, b, row_block, split, rank, tid, w);
-  if constexpr (Cfg::kPdl >= 2) {
-    if (w.row0 < w.rows && (Cfg::kPdl == 2 || !live)) {
+  // MLAGEN_DST_PDL 2: the split's stores wait for the kernel before
+  const bool live = cluster_split_begin<Cfg, Cfg::kPdl != 2>(p, b, row_block, split, rank, tid, w);
+  if constexpr (Cfg::kPdl == 2) {
+    if (w.row0 < w.rows) {
       ptx::griddep_wait();
       cluster_split_stores<Cfg>(p, b, row_block, split, rank, tid, w);
     }
@@ -553,10 +554,6 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       reinterpret_cast<uint4*>(fp8_smem)[i] = make_uint4(0u, 0u, 0u, 0u);
   }
   ptx::cluster_sync();  // both CTAs' barriers initialized before any remote arrival
-  if constexpr (Cfg::kPdl == 3) {
-    ptx::griddep_wait();
-    cluster_split_stores<Cfg>(p, b, row_block, split, rank, tid, w);
-  }
 
   // MLAGEN_DST_TRACE: per warp, cycles inside each wait kind (slots kTrace*), summed by lane 0 in shared memory
   constexpr int kTraceStage = 0, kTracePeer = 1, kTraceP = 2, kTraceXEmpty = 3;
@@ -1155,9 +1152,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Cfg::kThreads, 1)
   dimsplit_t_partial<Cfg>(p, smem_raw);
   if constexpr (Cfg::kFusedMerge) {
     if (p.merge_counters != nullptr) {
-      // (MLAGEN_DST_PDL 2 / 3: a CTA whose block starts past the request's rows returned without waiting; the merge's
+      // (MLAGEN_DST_PDL 2: a CTA whose block starts past the request's rows returned without waiting; the merge's
       // counters are the kernel before's too)
-      if constexpr (Cfg::kPdl >= 2) ptx::griddep_wait();
+      if constexpr (Cfg::kPdl == 2) ptx::griddep_wait();
       merge_partials<Cfg::kHeads, Cfg::kRowsMax, Cfg::kDimV, Cfg::kBlockN, Cfg::kThreads>(p, smem_raw);
     }
   }
