@@ -29,6 +29,9 @@ def dimsplit_row_tiles(rows_max: int) -> int:
 
 DIMSPLIT_T_MAX_SCORE_WARPS = 3  # 72 rows: the output warps' O^T (64 dims x 72 rows) is 144 registers
 DIMSPLIT_T_OUT_WARPS = 4
+# 32-bit words per lane and m16 x n8 score tile in dimsplit_t's score exchange of bf16 KV: fp16 pairs
+# (MlaDimSplitTConfig's kXchgWordsPerTile with MLAGEN_DST_XCHG_F16 2, every shipped build; e4m3 KV: 4, fp32)
+DIMSPLIT_T_XCHG_WORDS = 2
 DIMSPLIT_T_FP8_BF16_STAGES = 3  # fp8: bf16 stages the output warps dequantize into (MlaDimSplitTConfig::kConvStages)
 
 
@@ -82,7 +85,9 @@ def resources(v: Variant) -> Resources:
         smem_kv += v.stages * v.block_n * (dim_cta + 16) if fp8 else 0  # the e4m3 ring, rows padded by 16 B
         fp8_bars = 2 * v.stages if fp8 else 0
         m_tiles = v.block_n // 16  # m16 token tiles of a score step (a whole stage)
-        xchg_buf = v.row_tiles * m_tiles * 3 * 32 * 4 * 4  # [score warps][m x 3 tiles][32 lanes][4 floats]
+        # [score warps][m x 3 tiles][32 lanes][2 words]: fp16 pairs (bf16 KV), 4 fp32 words (e4m3)
+        xchg_words = 4 if fp8 else DIMSPLIT_T_XCHG_WORDS
+        xchg_buf = v.row_tiles * m_tiles * 3 * 32 * xchg_words * 4
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
         smem_p = 2 * v.block_n * p_row * 2 + 2 * rows * 4 + rows * 4  # 2 P^T buffers, their rescale factors, row sums
         tree = v.mask == "tree"  # the request's tree rows (int64 per draft query) and their mbarrier

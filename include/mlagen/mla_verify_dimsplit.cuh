@@ -54,6 +54,7 @@ struct MlaDimSplitConfig {
   static constexpr int kL2PrefetchTiles = 0;  // the producer's L2 prefetch distance (dimsplit_produce_bf16)
   static constexpr bool kZeroFillTail = false;  // the ring is zeroed up front (zero_kv_ring)
   static constexpr bool kProducerV16 = false;   // dimsplit_produce_bf16 as in v15 (dimsplit_t's v16 producer: off)
+  static constexpr bool kCopyL1 = false;        // the producer's 16-byte copies: .cg (dimsplit_t: MLAGEN_DST_COPY_L1)
   // e4m3 KV cache: the producer fills an e4m3 ring of kStages stages, two converter warps dequantize each
   // stage into the bf16 ring of kConvStages stages that the consumers read (mla_verify_fp8.cuh).
   static constexpr bool kKvFp8 = kKvFp8_;
@@ -393,7 +394,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
       // Latent half of token n: lane = 16-byte chunk. Tokens past kv_len are not loaded (P = 0 there).
       auto copy_latent = [&](int n) {
         const int64_t sn = __shfl_sync(0xffffffffu, slot, n);
-        ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
+        ptx::cp_async_zfill<16, Cfg::kCopyL1>(dst_mine + n * Cfg::kKvRowElems + lane * 8,
                                 row_at(sn, rank * Cfg::kLatentHalf + lane * 8), true);
       };
       // Rope halves: 32 / kRopeChunks tokens per instruction, from n0.
@@ -403,7 +404,7 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
         const int c = lane % Cfg::kRopeChunks;
         const int64_t sn = __shfl_sync(0xffffffffu, slot, n < 32 ? n : 0);
         if (n < mine) {
-          ptx::cp_async_zfill<16>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
+          ptx::cp_async_zfill<16, Cfg::kCopyL1>(dst_mine + n * Cfg::kKvRowElems + Cfg::kLatentHalf + c * 8,
                                   row_at(sn, Cfg::kKvLoraRank + rank * Cfg::kRopeHalf + c * 8), true);
         }
       };
@@ -428,8 +429,10 @@ __device__ __forceinline__ void dimsplit_produce_bf16(const MlaVerifyParams& p, 
         // (the ring is then never zeroed up front).
         for (int n = mine; n < Cfg::kTokensPerProducer; ++n) {
           __nv_bfloat16* dst = dst_mine + n * Cfg::kKvRowElems;
-          if (lane < Cfg::kLatentChunks) ptx::cp_async_zfill<16>(dst + lane * 8, p.kv, false);
-          if (lane < Cfg::kRopeChunks) ptx::cp_async_zfill<16>(dst + Cfg::kLatentHalf + lane * 8, p.kv, false);
+          if (lane < Cfg::kLatentChunks) ptx::cp_async_zfill<16, Cfg::kCopyL1>(dst + lane * 8, p.kv, false);
+          if (lane < Cfg::kRopeChunks) {
+            ptx::cp_async_zfill<16, Cfg::kCopyL1>(dst + Cfg::kLatentHalf + lane * 8, p.kv, false);
+          }
         }
       }
       ptx::cp_async_mbarrier_arrive_noinc(full_bar + stage);  // this lane's copies complete on full[stage]

@@ -7,8 +7,9 @@
 //                  fragments in registers (3 n8 tiles x 18 k-steps) and streams K from the stage as A
 //                  fragments (ldmatrix): one K fragment feeds 3 MMAs.
 //   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
-//                  mbarrier), two buffers deep, or one (4 stages at block_n 32) whose reads the peer's warp
-//                  signals on the sender's xempty mbarrier; S = S_0 + S_1 is the same sum in both CTAs.
+//                  mbarrier) as fp16 pairs (bf16 KV; e4m3: fp32), two buffers deep, or one (fp32 at 4 stages of
+//                  block_n 32) whose reads the peer's warp signals on the sender's xempty mbarrier; S = S_c + the
+//                  peer's rounded S_{1-c} (MLAGEN_DST_XCHG_F16).
 //   softmax        in the score warps' registers: a row is an n index, so its max over the step's tokens is
 //                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
 //                  P^T (bf16, [tokens][rows]) and each
@@ -21,7 +22,7 @@
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
 //                  MMAs and one P fragment 4.
-//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async into a kStages ring,
+//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async.ca into a kStages ring,
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
@@ -186,6 +187,26 @@
 #define MLAGEN_DST_PDL 1
 #endif
 
+// MLAGEN_DST_XCHG_F16 2 (every shipped build): the score exchange carries each CTA's half of S^T as fp16 pairs
+// (cvt.rn.satfinite.f16x2.f32: round to nearest, |S_c| past 65504 clamped), and each CTA adds the peer's rounded half
+// to its own fp32 half. A warp's send of a 32-token step is then 3 KB in 3 st.async of 16 B per lane (fp32: 6 KB in 6),
+// and two exchange buffers fit in sm_120's 99 KB beside 4 stages (no xempty handshake). The two CTAs' S then differ
+// by the rounding of one half (|error| <= 2^-11 |S_c|, before the softmax scale): each CTA's P, row sums and O^T half
+// are one consistent softmax of its own S, and the combine weighs both halves by rank 0's LSE. Measured on an H100
+// (perf-notes v40): 0.989-1.007x the time of fp32, L2 -> SM 1.83 x KV instead of 2.08 at 64k bs 1, outputs within
+// 0.0039 of the fp32 exchange's. 1 (diagnostic): each CTA rounds its own half too, so S = S_0 + S_1 is the same sum in
+// both (24 more conversions per lane and step: 1.006-1.023x, slower). 0: fp32 (v13-v39). For A/B timing.
+#ifndef MLAGEN_DST_XCHG_F16
+#define MLAGEN_DST_XCHG_F16 2
+#endif
+
+// MLAGEN_DST_COPY_L1 1 (every shipped build): the bf16 producer's 16-byte copies are cp.async.ca (through L1), which
+// cross L2 -> SM as 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known);
+// with the fp16 exchange 0.982-0.996x the time of .cg on an H100. 0: .cg (v11-v39), for A/B timing.
+#ifndef MLAGEN_DST_COPY_L1
+#define MLAGEN_DST_COPY_L1 1
+#endif
+
 namespace mlagen {
 
 // e4m3 KV cache: thread ct's share (of kNThreads) of converting one e4m3 stage (positions [pos0, pos0 + kBlockN))
@@ -273,6 +294,8 @@ struct MlaDimSplitTConfig {
   // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
   // prefetch's page entries requested two tiles ahead.
   static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
+  // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1).
+  static constexpr bool kCopyL1 = MLAGEN_DST_COPY_L1 != 0;
   // The score warps' unmasked steps in a loop without masking code (perf-notes v20: in v19's single loop the ~450
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
   // instruction cache; bf16 1.1-3.4 % faster). Not for e4m3 pools: there it measured 0.996-1.009x.
@@ -320,7 +343,8 @@ struct MlaDimSplitTConfig {
   static constexpr int kMTilesS = kSubTile / 16;
 
   // Shared memory: the KV ring (rows padded by 16 B: 592 B = 37 x 16 B, so the 8 rows of an ldmatrix fall in
-  // distinct bank groups), fp8: the e4m3 ring, the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats],
+  // distinct bank groups), fp8: the e4m3 ring, the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats] (fp16: [3 tiles][32 lanes]
+  // [kMTilesS x 2 words]),
   // the P^T buffers [kPBufs][kSubTile tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
   // rescale factors [kPBufs][kRowsPerCta], the final row sums [kRowsPerCta], then the mbarriers.
   static constexpr int kKvRowElems = kDimCta + 8;
@@ -331,7 +355,14 @@ struct MlaDimSplitTConfig {
   static constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;
   static constexpr int kSmemFp8 = kKvFp8 ? kStages * kFp8StageBytes : 0;
   static constexpr int kFp8Bars = kKvFp8 ? 2 * kStages : 0;  // full8, empty8 [kStages]
-  static constexpr int kXchgFloatsPerWarp = kMTilesS * kNTilesS * 32 * 4;
+  // A score warp's exchange fragment in 32-bit words per lane and step: fp32 scores (4 per m16 x n8 tile) or fp16
+  // pairs (2 per tile; MLAGEN_DST_XCHG_F16).
+  // (bf16 KV only: the e4m3 tiles keep fp32, their timing with fp16 is not measured)
+  static constexpr bool kXchgF16 = MLAGEN_DST_XCHG_F16 != 0 && !kKvFp8;
+  static constexpr bool kXchgRoundOwn = kXchgF16 && MLAGEN_DST_XCHG_F16 == 1;  // each CTA adds its own half as sent
+  static_assert(MLAGEN_DST_XCHG_F16 >= 0 && MLAGEN_DST_XCHG_F16 <= 2, "MLAGEN_DST_XCHG_F16 is 0-2");
+  static constexpr int kXchgWordsPerTile = kXchgF16 ? 2 : 4;
+  static constexpr int kXchgWordsPerWarp = kMTilesS * kNTilesS * 32 * kXchgWordsPerTile;
   // Two P^T buffers: a score warp writes P^T of sub-tile j once the output warps are done with j - 2, so while
   // it computes j + 1 the output warps may still hold j - 2 .. j (perf-notes v11: three buffers measured the
   // same).
@@ -350,7 +381,7 @@ struct MlaDimSplitTConfig {
   // j + 2 then follows its peer's read of j with no further signal), else one, and the peer's read of j is
   // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
   // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
-  static constexpr int kXchgBufBytes = kScoreWarps * kXchgFloatsPerWarp * 4;
+  static constexpr int kXchgBufBytes = kScoreWarps * kXchgWordsPerWarp * 4;
   static constexpr int kSmemWithTwoXBufs =
       kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
       dimsplit_t_num_bars(2, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars) * 8;
@@ -477,7 +508,7 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
   __nv_bfloat16* kv_smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kConsStages][kBlockN][kKvRowElems]
   uint8_t* fp8_smem = smem_raw + Cfg::kSmemKv;  // fp8: [kStages][kBlockN][kFp8RowBytes] (16-byte aligned rows)
   unsigned char* smem_rest = smem_raw + Cfg::kSmemKv + Cfg::kSmemFp8;
-  float* xchg_smem = reinterpret_cast<float*>(smem_rest);
+  float* xchg_smem = reinterpret_cast<float*>(smem_rest);  // 32-bit words: fp32 scores or fp16 pairs
   __nv_bfloat16* pt_smem = reinterpret_cast<__nv_bfloat16*>(smem_rest + Cfg::kSmemXchg);
   float* alpha_smem = reinterpret_cast<float*>(smem_rest + Cfg::kSmemXchg + Cfg::kSmemP);
   float* lsum_smem = alpha_smem + Cfg::kPBufs * Cfg::kRowsPerCta;  // [kRowsPerCta]: the final row sums
@@ -692,7 +723,8 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
       }
     };
     const uint32_t xempty_remote = ptx::map_to_cta(ptx::smem_u32(xempty_bar + sw), peer);
-    auto send_scores = [&](int j, const Acc& s) {
+    // fp16 (kXchgF16); with kXchgRoundOwn the sender also rounds its own half in place to the values it sends.
+    auto send_scores = [&](int j, Acc& s) {
       if constexpr (kAblate & kAblateExchange) return;  // diagnostic: each CTA keeps its half of the scores
       if constexpr (Cfg::kXBufs == 1) {  // the peer has read sub-tile j - 1 from its (only) buffer
         if (j > 0) {
@@ -700,16 +732,40 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
                  [&] { ptx::mbarrier_wait_parity(xempty_bar + sw, static_cast<uint32_t>(j - 1) & 1u); });
         }
       }
-      const int xoff = xslot(j) * Cfg::kXchgFloatsPerWarp;
+      const int xoff = xslot(j) * Cfg::kXchgWordsPerWarp;
       const uint32_t bar = xbar_remote + static_cast<uint32_t>(xslot(j) * 8);
-#pragma unroll
-      for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+      if constexpr (Cfg::kXchgF16) {
+        // word 2 mt + h of lane `lane` of n8 tile nt: the fp16 pair (s[mt][nt][2 h], s[mt][nt][2 h + 1])
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-          const int f = (mt * Cfg::kNTilesS + nt) * 32 + lane;
-          const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + f * 4) * 4);
-          ptx::st_async_cluster_v4(dst, s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3], bar);
+          uint32_t w[Cfg::kMTilesS * 2];
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              w[2 * mt + h] = ptx::pack_f16x2_satfinite(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+              if constexpr (Cfg::kXchgRoundOwn) {
+                ptx::unpack_f16x2(w[2 * mt + h], s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+              }
+            }
+          const uint32_t dst =
+              xchg_remote + static_cast<uint32_t>((xoff + (nt * 32 + lane) * Cfg::kMTilesS * 2) * 4);
+          if constexpr (Cfg::kMTilesS == 2) {
+            ptx::st_async_cluster_v4_b32(dst, w[0], w[1], w[2], w[3], bar);
+          } else {
+            ptx::st_async_cluster_v2_b32(dst, w[0], w[1], bar);
+          }
         }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+            const int f = (mt * Cfg::kNTilesS + nt) * 32 + lane;
+            const uint32_t dst = xchg_remote + static_cast<uint32_t>((xoff + f * 4) * 4);
+            ptx::st_async_cluster_v4(dst, s[mt][nt][0], s[mt][nt][1], s[mt][nt][2], s[mt][nt][3], bar);
+          }
+      }
     };
     // S = S_c + S_{1-c} (unscaled) of sub-tile j once the peer's half landed; keys the mask hides -> -inf.
     // Fragment (m16 tokens x n8 rows) of token tile mt: s[mt][nt][0] = (token 16 mt + g, row 2 t4), [1] = (g,
@@ -719,19 +775,43 @@ __device__ __forceinline__ void dimsplit_t_partial(const MlaVerifyParams& p, uns
     auto receive_and_mask = [&](int j, Acc& s, auto kMaskMode) {
       if constexpr (!(kAblate & kAblateExchange)) {
         uint64_t* xbar = xfull_bar + xslot(j);
-        if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgFloatsPerWarp * 4);
+        if (lane == 0) ptx::mbarrier_arrive_expect_tx(xbar, Cfg::kXchgWordsPerWarp * 4);
         traced(kTracePeer, [&] { ptx::mbarrier_wait_parity(xbar, static_cast<uint32_t>(j / Cfg::kXBufs) & 1u); });
-        const float* xin = xchg_smem + xslot(j) * Cfg::kXchgFloatsPerWarp;
-#pragma unroll
-        for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+        const float* xin = xchg_smem + xslot(j) * Cfg::kXchgWordsPerWarp;
+        if constexpr (Cfg::kXchgF16) {
 #pragma unroll
           for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
-            const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
-            s[mt][nt][0] += v.x;
-            s[mt][nt][1] += v.y;
-            s[mt][nt][2] += v.z;
-            s[mt][nt][3] += v.w;
+            uint32_t w[Cfg::kMTilesS * 2];
+            const float* src = xin + (nt * 32 + lane) * Cfg::kMTilesS * 2;
+            if constexpr (Cfg::kMTilesS == 2) {
+              const uint4 v = *reinterpret_cast<const uint4*>(src);
+              w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+            } else {
+              const uint2 v = *reinterpret_cast<const uint2*>(src);
+              w[0] = v.x, w[1] = v.y;
+            }
+#pragma unroll
+            for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                float lo, hi;
+                ptx::unpack_f16x2(w[2 * mt + h], lo, hi);
+                s[mt][nt][2 * h] += lo;
+                s[mt][nt][2 * h + 1] += hi;
+              }
           }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTilesS; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < Cfg::kNTilesS; ++nt) {
+              const float4 v = *reinterpret_cast<const float4*>(xin + ((mt * Cfg::kNTilesS + nt) * 32 + lane) * 4);
+              s[mt][nt][0] += v.x;
+              s[mt][nt][1] += v.y;
+              s[mt][nt][2] += v.z;
+              s[mt][nt][3] += v.w;
+            }
+        }
       }
       if constexpr (Cfg::kXBufs == 1 && !(kAblate & kAblateExchange)) {
         // The buffer is free for the peer's next send (its reads are done: release at CTA scope, no fence; a

@@ -22,20 +22,22 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// MLAGEN_CP_ASYNC_CA 0 (every shipped build): 16-byte copies bypass L1 (.cg); 1: they allocate in L1 (.ca), a
-// diagnostic build for the L2 -> SM bytes of each form (perf-notes v25).
+// MLAGEN_CP_ASYNC_CA 0 (every shipped build): 16-byte copies bypass L1 (.cg) unless the caller asks for .ca
+// (kCacheL1: dimsplit_t's bf16 producer, MLAGEN_DST_COPY_L1); 1: every 16-byte copy allocates in L1 (.ca), a diagnostic
+// build for the L2 -> SM bytes of each form (perf-notes v25, v40: .cg copies cross L2 -> SM as 1.5x their bytes, .ca
+// as 1.07x).
 #ifndef MLAGEN_CP_ASYNC_CA
 #define MLAGEN_CP_ASYNC_CA 0
 #endif
 
 // cp.async of kBytes (4, 8 or 16) global -> shared. src_bytes = 0 fills the destination with
 // zeros and reads nothing (PTX ISA: cp.async "src-size"), used for tokens past kv_len.
-template <int kBytes>
+template <int kBytes, bool kCacheL1 = (MLAGEN_CP_ASYNC_CA != 0)>
 __device__ __forceinline__ void cp_async_zfill(void* smem_dst, const void* gmem_src, bool valid) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async size must be 4, 8 or 16 bytes");
   const uint32_t dst = smem_u32(smem_dst);
   const int src_bytes = valid ? kBytes : 0;
-  if constexpr (kBytes == 16 && MLAGEN_CP_ASYNC_CA == 0) {
+  if constexpr (kBytes == 16 && !kCacheL1 && MLAGEN_CP_ASYNC_CA == 0) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem_src), "n"(kBytes),
@@ -150,6 +152,35 @@ __device__ __forceinline__ void st_async_cluster_v4(uint32_t cluster_addr, float
                    cluster_addr),
                "f"(a), "f"(b), "f"(c), "f"(d), "r"(cluster_bar_addr)
                : "memory");
+}
+
+// The same with 32-bit words (e.g. fp16 pairs): 16 or 8 bytes per thread.
+__device__ __forceinline__ void st_async_cluster_v4_b32(uint32_t cluster_addr, uint32_t a, uint32_t b, uint32_t c,
+                                                        uint32_t d, uint32_t cluster_bar_addr) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "r"(a), "r"(b), "r"(c), "r"(d), "r"(cluster_bar_addr)
+               : "memory");
+}
+__device__ __forceinline__ void st_async_cluster_v2_b32(uint32_t cluster_addr, uint32_t a, uint32_t b,
+                                                        uint32_t cluster_bar_addr) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(
+                   cluster_addr),
+               "r"(a), "r"(b), "r"(cluster_bar_addr)
+               : "memory");
+}
+
+// fp32 pair -> fp16x2 (lo in bits 0-15), round to nearest, finite values beyond fp16's range clamped to +-65504
+// (PTX ISA: cvt, .satfinite); and back, exactly.
+__device__ __forceinline__ uint32_t pack_f16x2_satfinite(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ void unpack_f16x2(uint32_t w, float& lo, float& hi) {
+  asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(lo), "=f"(hi)
+      : "r"(w));
 }
 
 // Arrival on an mbarrier of another CTA of the cluster; orders this thread's earlier stores (release.cluster).
