@@ -22,7 +22,7 @@
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
 //                  MMAs and one P fragment 4.
-//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async.ca into a kStages ring,
+//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async (.ca at H8 q9) into a kStages ring,
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
@@ -200,11 +200,14 @@
 #define MLAGEN_DST_XCHG_F16 2
 #endif
 
-// MLAGEN_DST_COPY_L1 1 (every shipped build): the bf16 producer's 16-byte copies are cp.async.ca (through L1), which
-// cross L2 -> SM as 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known);
-// with the fp16 exchange 0.982-0.996x the time of .cg on an H100. 0: .cg (v11-v39), for A/B timing.
+// MLAGEN_DST_COPY_L1 -1 (every shipped build): the bf16 producer's 16-byte copies are cp.async.ca (through L1) in
+// builds of 3 score warps whose rows are one row block (H8 q9: 72 rows), .cg elsewhere. .ca copies cross L2 -> SM as
+// 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known); on an H100, with the
+// fp16 exchange, .ca took 0.982-0.996x the time of .cg at H8, but 1.012-1.054x at H16 (2 row blocks) and H64 (8 row
+// blocks, each cluster of a split reading the same KV rows; fp32 exchange: 1.060-1.100x). 0 / 1: .cg / .ca in every
+// bf16 build, for A/B timing.
 #ifndef MLAGEN_DST_COPY_L1
-#define MLAGEN_DST_COPY_L1 1
+#define MLAGEN_DST_COPY_L1 -1
 #endif
 
 namespace mlagen {
@@ -294,8 +297,12 @@ struct MlaDimSplitTConfig {
   // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
   // prefetch's page entries requested two tiles ahead.
   static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
-  // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1).
-  static constexpr bool kCopyL1 = MLAGEN_DST_COPY_L1 != 0;
+  // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1): where the rows are one row block of 3
+  // score warps (kRowTiles_ is the score warp count, kRowBlocks below).
+  static constexpr bool kCopyL1 =
+      MLAGEN_DST_COPY_L1 >= 0 ? MLAGEN_DST_COPY_L1 != 0
+                              : kRowTiles_ == 3 && kHeads_ * kQLenMax_ <= 3 * 24;
+  static_assert(MLAGEN_DST_COPY_L1 >= -1 && MLAGEN_DST_COPY_L1 <= 1, "MLAGEN_DST_COPY_L1 is -1, 0 or 1");
   // The score warps' unmasked steps in a loop without masking code (perf-notes v20: in v19's single loop the ~450
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
   // instruction cache; bf16 1.1-3.4 % faster). Not for e4m3 pools: there it measured 0.996-1.009x.
