@@ -29,9 +29,9 @@ def dimsplit_row_tiles(rows_max: int) -> int:
 
 DIMSPLIT_T_MAX_SCORE_WARPS = 3  # 72 rows: the output warps' O^T (64 dims x 72 rows) is 144 registers
 DIMSPLIT_T_OUT_WARPS = 4
-# 32-bit words per lane and m16 x n8 score tile in dimsplit_t's score exchange of bf16 KV: fp16 pairs
-# (MlaDimSplitTConfig's kXchgWordsPerTile with MLAGEN_DST_XCHG_F16 2, every shipped build; e4m3 KV: 4, fp32)
-DIMSPLIT_T_XCHG_WORDS = 2
+# 32-bit words per lane and m16 x n8 score tile in dimsplit_t's score exchange: fp32 scores (MlaDimSplitTConfig's
+# kXchgWordsPerTile with MLAGEN_DST_XCHG_F16 0, every shipped build; its fp16 diagnostic builds use 2)
+DIMSPLIT_T_XCHG_WORDS = 4
 DIMSPLIT_T_FP8_BF16_STAGES = 3  # fp8: bf16 stages the output warps dequantize into (MlaDimSplitTConfig::kConvStages)
 
 
@@ -85,7 +85,7 @@ def resources(v: Variant) -> Resources:
         smem_kv += v.stages * v.block_n * (dim_cta + 16) if fp8 else 0  # the e4m3 ring, rows padded by 16 B
         fp8_bars = 2 * v.stages if fp8 else 0
         m_tiles = v.block_n // 16  # m16 token tiles of a score step (a whole stage)
-        # [score warps][m x 3 tiles][32 lanes][2 words]: fp16 pairs (bf16 KV), 4 fp32 words (e4m3)
+        # [score warps][m x 3 tiles][32 lanes][4 words]: fp32 scores (e4m3 builds always)
         xchg_words = 4 if fp8 else DIMSPLIT_T_XCHG_WORDS
         xchg_buf = v.row_tiles * m_tiles * 3 * 32 * xchg_words * 4
         p_row = rows if (rows * 2 // 16) % 2 else rows + 8
@@ -96,12 +96,14 @@ def resources(v: Variant) -> Resources:
             return (2 * cons_stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0) + tree
                     + fp8_bars)
 
+        flags = v.row_tiles != 2  # kRescaleFlag (on with the default rescale slack): [2 P^T buffers][4] ints, 16-B aligned
+
+        def total(x_bufs: int) -> int:
+            smem = smem_kv + x_bufs * xchg_buf + smem_p + bars(x_bufs) * 8
+            return -(-smem // 16) * 16 + 2 * 16 if flags else smem
+
         # two exchange buffers when they fit in sm_120's limit, else one and an xempty barrier per score warp
-        x_bufs = 2 if smem_kv + 2 * xchg_buf + smem_p + bars(2) * 8 <= SMEM_LIMIT["sm_120"] else 1
-        smem_bars = bars(x_bufs) * 8
-        smem = smem_kv + x_bufs * xchg_buf + smem_p + smem_bars
-        if v.row_tiles != 2:  # kRescaleFlag (on with the default rescale slack): [2 P^T buffers][4] ints, 16-B aligned
-            smem = -(-smem // 16) * 16 + 2 * 16
+        smem = total(2) if total(2) <= SMEM_LIMIT["sm_120"] else total(1)
         return Resources(smem, dim_cta // 16 * 3 * 2, 3 * m_tiles * 3 * 4,
                          v.kv_lora_rank // 2 // DIMSPLIT_T_OUT_WARPS // 16 * (rows // 8) * 4)
     if v.schedule == "dimsplit":

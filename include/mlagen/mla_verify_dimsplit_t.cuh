@@ -7,9 +7,9 @@
 //                  fragments in registers (3 n8 tiles x 18 k-steps) and streams K from the stage as A
 //                  fragments (ldmatrix): one K fragment feeds 3 MMAs.
 //   exchange       the score fragments go to the peer CTA by st.async (bytes complete the peer's exchange
-//                  mbarrier) as fp16 pairs (bf16 KV; e4m3: fp32), two buffers deep, or one (fp32 at 4 stages of
-//                  block_n 32) whose reads the peer's warp signals on the sender's xempty mbarrier; S = S_c + the
-//                  peer's rounded S_{1-c} (MLAGEN_DST_XCHG_F16).
+//                  mbarrier), two buffers deep, or one (4 stages at block_n 32) whose reads the peer's warp
+//                  signals on the sender's xempty mbarrier; S = S_0 + S_1 is the same sum in both CTAs (fp32;
+//                  fp16 pairs in MLAGEN_DST_XCHG_F16 diagnostic builds).
 //   softmax        in the score warps' registers: a row is an n index, so its max over the step's tokens is
 //                  a register max over the m16 tiles plus a 3-shuffle reduction over the 8 lanes of one t4;
 //                  P^T (bf16, [tokens][rows]) and each
@@ -22,7 +22,7 @@
 //                  output dims for every row (O^T accumulators, 4 x 9 fragments at 72 rows): A = V^T from the
 //                  stage (ldmatrix.trans), B = P^T from the buffer (ldmatrix.trans); one V fragment feeds 9
 //                  MMAs and one P fragment 4.
-//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async (.ca at H8 q9) into a kStages ring,
+//   producer       the dimsplit producer (dimsplit_produce_bf16): 16-byte cp.async into a kStages ring,
 //                  full / empty mbarriers, and an L2 prefetch of the tile kStages ahead.
 //   fp8 (e4m3)     the producer copies e4m3 rows into a kStages ring (dimsplit_produce_fp8); the output warps
 //                  convert tile j + 3 into the bf16 stage tile j just left, after their P V step of j (3 bf16 stages).
@@ -187,7 +187,8 @@
 #define MLAGEN_DST_PDL 1
 #endif
 
-// MLAGEN_DST_XCHG_F16 2 (every shipped build): the score exchange carries each CTA's half of S^T as fp16 pairs
+// MLAGEN_DST_XCHG_F16 0 (every shipped build): the score exchange carries fp32 scores. 2 (diagnostic, perf-notes v40):
+// it carries each CTA's half of S^T as fp16 pairs
 // (cvt.rn.satfinite.f16x2.f32: round to nearest, |S_c| past 65504 clamped), and each CTA adds the peer's rounded half
 // to its own fp32 half. A warp's send of a 32-token step is then 3 KB in 3 st.async of 16 B per lane (fp32: 6 KB in 6),
 // and two exchange buffers fit in sm_120's 99 KB beside 4 stages (no xempty handshake). The two CTAs' S then differ
@@ -195,19 +196,22 @@
 // are one consistent softmax of its own S, and the combine weighs both halves by rank 0's LSE. Measured on an H100
 // (perf-notes v40): 0.989-1.007x the time of fp32, L2 -> SM 1.83 x KV instead of 2.08 at 64k bs 1, outputs within
 // 0.0039 of the fp32 exchange's. 1 (diagnostic): each CTA rounds its own half too, so S = S_0 + S_1 is the same sum in
-// both (24 more conversions per lane and step: 1.006-1.023x, slower). 0: fp32 (v13-v39). For A/B timing.
+// both (24 more conversions per lane and step: 1.006-1.023x, slower). Not shipped: the rounding is relative to the
+// partial score itself, not to its distance from the row max, so at Kimi-K2's logits (QK-clip caps them near 100) a
+// CPU emulation of form 2 gives output errors up to 1.8e-2 (half the verify bound, several bf16 steps) for a 1-2 %
+// gain; at N(0, 1) test inputs it is within 0.0039 of fp32. For A/B timing and accuracy studies.
 #ifndef MLAGEN_DST_XCHG_F16
-#define MLAGEN_DST_XCHG_F16 2
+#define MLAGEN_DST_XCHG_F16 0
 #endif
 
-// MLAGEN_DST_COPY_L1 -1 (every shipped build): the bf16 producer's 16-byte copies are cp.async.ca (through L1) in
-// builds of 3 score warps whose rows are one row block (H8 q9: 72 rows), .cg elsewhere. .ca copies cross L2 -> SM as
-// 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known); on an H100, with the
-// fp16 exchange, .ca took 0.982-0.996x the time of .cg at H8, but 1.012-1.054x at H16 (2 row blocks) and H64 (8 row
-// blocks, each cluster of a split reading the same KV rows; fp32 exchange: 1.060-1.100x). 0 / 1: .cg / .ca in every
-// bf16 build, for A/B timing.
+// MLAGEN_DST_COPY_L1 0 (every shipped build): the bf16 producer's 16-byte copies are cp.async.cg. 1: .ca (through L1)
+// in every bf16 build; -1: .ca only in builds of 3 score warps whose rows are one row block (H8 q9: 72 rows). .ca copies
+// cross L2 -> SM as 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known), but
+// on an H100 with the fp32 exchange they took 0.985-1.014x the time of .cg at H8 (above 1 from 64k up) and
+// 1.060-1.100x at H16 (2 row blocks) and H64 (8 row blocks, each cluster of a split reading the same KV rows). For A/B
+// timing and L2 -> SM measurements.
 #ifndef MLAGEN_DST_COPY_L1
-#define MLAGEN_DST_COPY_L1 -1
+#define MLAGEN_DST_COPY_L1 0
 #endif
 
 namespace mlagen {
@@ -297,11 +301,10 @@ struct MlaDimSplitTConfig {
   // The producer's v16 form (dimsplit_produce_bf16): a whole tile's copies in one unrolled block and the L2
   // prefetch's page entries requested two tiles ahead.
   static constexpr bool kProducerV16 = MLAGEN_DST_PRODUCER == 0;
-  // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1): where the rows are one row block of 3
-  // score warps (kRowTiles_ is the score warp count, kRowBlocks below).
+  // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1; -1: where the rows are one row block of 3
+  // score warps, kRowTiles_ being the score warp count). The e4m3 producer does not use it.
   static constexpr bool kCopyL1 =
-      MLAGEN_DST_COPY_L1 >= 0 ? MLAGEN_DST_COPY_L1 != 0
-                              : kRowTiles_ == 3 && kHeads_ * kQLenMax_ <= 3 * 24;
+      !kKvFp8_ && (MLAGEN_DST_COPY_L1 >= 0 ? MLAGEN_DST_COPY_L1 != 0 : kRowTiles_ == 3 && kHeads_ * kQLenMax_ <= 3 * 24);
   static_assert(MLAGEN_DST_COPY_L1 >= -1 && MLAGEN_DST_COPY_L1 <= 1, "MLAGEN_DST_COPY_L1 is -1, 0 or 1");
   // The score warps' unmasked steps in a loop without masking code (perf-notes v20: in v19's single loop the ~450
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
@@ -364,7 +367,7 @@ struct MlaDimSplitTConfig {
   static constexpr int kFp8Bars = kKvFp8 ? 2 * kStages : 0;  // full8, empty8 [kStages]
   // A score warp's exchange fragment in 32-bit words per lane and step: fp32 scores (4 per m16 x n8 tile) or fp16
   // pairs (2 per tile; MLAGEN_DST_XCHG_F16).
-  // (bf16 KV only: the e4m3 tiles keep fp32, their timing with fp16 is not measured)
+  // (bf16 KV only: e4m3 builds always exchange fp32)
   static constexpr bool kXchgF16 = MLAGEN_DST_XCHG_F16 != 0 && !kKvFp8;
   static constexpr bool kXchgRoundOwn = kXchgF16 && MLAGEN_DST_XCHG_F16 == 1;  // each CTA adds its own half as sent
   static_assert(MLAGEN_DST_XCHG_F16 >= 0 && MLAGEN_DST_XCHG_F16 <= 2, "MLAGEN_DST_XCHG_F16 is 0-2");
@@ -389,9 +392,12 @@ struct MlaDimSplitTConfig {
   // signalled by an arrival on this warp's xempty barrier before the send of j + 1 (the exchange costs one
   // buffer of fp32 scores, 9 KB at 72 rows x 32 tokens, so a 4th 32-token stage fits: perf-notes v13).
   static constexpr int kXchgBufBytes = kScoreWarps * kXchgWordsPerWarp * 4;
-  static constexpr int kSmemWithTwoXBufs =
+  static constexpr int kSmemWithTwoXBufsNoFlags =
       kSmemKv + kSmemFp8 + 2 * kXchgBufBytes + kSmemP + kSmemAlpha + kSmemStats + kSmemTree +
       dimsplit_t_num_bars(2, kConsStages, kScoreWarps, kPBufs, kTreeRowsSmem, kFp8Bars) * 8;
+  // (with the rescale flags after everything else, 16-byte aligned, as kSmemBytes below counts them)
+  static constexpr int kSmemWithTwoXBufs =
+      kRescaleFlag ? (kSmemWithTwoXBufsNoFlags + 15) / 16 * 16 + kPBufs * 16 : kSmemWithTwoXBufsNoFlags;
   static constexpr int kXBufs = MLAGEN_DST_XBUFS != 0 ? MLAGEN_DST_XBUFS : kSmemWithTwoXBufs <= kSmemLimitSm120 ? 2 : 1;
   static_assert(kXBufs == 1 || kXBufs == 2, "MLAGEN_DST_XBUFS must be 0, 1 or 2");
   static constexpr int kSmemXchg = kXBufs * kXchgBufBytes;
