@@ -96,7 +96,8 @@ def resources(v: Variant) -> Resources:
             return (2 * cons_stages + x_bufs * v.row_tiles + 2 * 2 + (v.row_tiles if x_bufs == 1 else 0) + tree
                     + fp8_bars)
 
-        flags = v.row_tiles != 2  # kRescaleFlag (on with the default rescale slack): [2 P^T buffers][4] ints, 16-B aligned
+        # kRescaleFlag (on with the default rescale slack): [2 P^T buffers][4] ints, 16-B aligned
+        flags = v.row_tiles != 2
 
         def total(x_bufs: int) -> int:
             smem = smem_kv + x_bufs * xchg_buf + smem_p + bars(x_bufs) * 8

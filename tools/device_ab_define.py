@@ -5,7 +5,8 @@ fall on all builds alike; first, each build's output is compared bit for bit wit
 per shape (a difference stops the run; with --atol, a max |difference| above it). Diagnostic defines:
 MLAGEN_DST_PROLOGUE, MLAGEN_DST_PRODUCER, MLAGEN_DST_TREE_ROWS, MLAGEN_DST_FP8_CONVERT, MLAGEN_DST_MASK_PEEL,
 MLAGEN_DST_MERGE, MLAGEN_DST_L2_PREFETCH, MLAGEN_DST_BULK, MLAGEN_DST_HALF_K, MLAGEN_DST_PBUFS, MLAGEN_DST_XBUFS,
-MLAGEN_DST_EPILOGUE, MLAGEN_DST_RESCALE_SLACK, MLAGEN_DST_RESCALE_FLAG, MLAGEN_DST_PDL,
+MLAGEN_DST_EPILOGUE, MLAGEN_DST_RESCALE_SLACK, MLAGEN_DST_RESCALE_FLAG, MLAGEN_DST_PDL, MLAGEN_DST_XCHG_F16,
+MLAGEN_DST_COPY_L1,
 MLAGEN_DST_TRACE (include/mlagen/mla_verify_dimsplit_t.cuh; read by tools/dst_trace.py),
 MLAGEN_DST_PARTIAL_BF16 (mla_verify_partial_store.cuh), MLAGEN_COMBINE_UNROLL (mla_verify_combine.cuh),
 MLAGEN_MERGE_DIAG (include/mlagen/mla_verify_merge.cuh),
@@ -21,6 +22,7 @@ Several --define options are zipped: build i gets the i-th value of each (all mu
         --define MLAGEN_DST_PARTIAL_BF16=0,0,0 --atol 0.0625
         # the merge code built but unused, and used (its fp32 sums run in another order; the merge reads fp32 partials)
     python3 tools/device_ab_define.py URI --define MLAGEN_DST_PARTIAL_BF16=0,1 --atol 0.0625  # fp32 vs bf16 partials
+    python3 tools/device_ab_define.py URI --define MLAGEN_DST_XCHG_F16=0,2 --atol 0.0625  # fp32 vs fp16 score exchange
     python3 tools/device_ab_define.py URI_st4 --variants URI_st6,URI_st8  # deeper rings (this GPU's smem limit)
 
 Builds go to $MLAGEN_ABLATE_DIR (default /tmp/mlagen-ablate), never into the registry. Prints a markdown

@@ -22,7 +22,8 @@ from mlagen.verify import TOLERANCE  # noqa: E402
 CASES = ((1.0, None), (3.0, None), (5.0, 30.0), (5.0, 60.0), (5.0, 100.0))
 
 
-def case_error(sigma: float, top: float | None, keys: int, rows: int, dims: int, gen: torch.Generator) -> tuple[float, float]:
+def case_error(sigma: float, top: float | None, keys: int, rows: int, dims: int,
+               gen: torch.Generator) -> tuple[float, float]:
     """(max |out error|, max error / verify bound) over ``rows`` rows of ``keys`` keys and ``dims`` output dims."""
     tol = TOLERANCE["bf16"]
     scale = 192 ** -0.5

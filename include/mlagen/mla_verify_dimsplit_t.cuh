@@ -190,9 +190,10 @@
 // MLAGEN_DST_XCHG_F16 0 (every shipped build): the score exchange carries fp32 scores. 2 (diagnostic, perf-notes v40):
 // it carries each CTA's half of S^T as fp16 pairs
 // (cvt.rn.satfinite.f16x2.f32: round to nearest, |S_c| past 65504 clamped), and each CTA adds the peer's rounded half
-// to its own fp32 half. A warp's send of a 32-token step is then 3 KB in 3 st.async of 16 B per lane (fp32: 6 KB in 6),
-// and two exchange buffers fit in sm_120's 99 KB beside 4 stages (no xempty handshake). The two CTAs' S then differ
-// by the rounding of one half (|error| <= 2^-11 |S_c|, before the softmax scale): each CTA's P, row sums and O^T half
+// to its own fp32 half. A warp's send of a 32-token step is then 1.5 KB in 3 st.async of 16 B per lane (fp32: 3 KB in
+// 6), and two exchange buffers fit in sm_120's 99 KB beside 4 stages (no xempty handshake). The two CTAs' S then differ
+// by the rounding of one half (|error| <= 2^-11 |S_c| for |S_c| in fp16's normal range, before the softmax scale):
+// each CTA's P, row sums and O^T half
 // are one consistent softmax of its own S, and the combine weighs both halves by rank 0's LSE. Measured on an H100
 // (perf-notes v40): 0.989-1.007x the time of fp32, L2 -> SM 1.83 x KV instead of 2.08 at 64k bs 1, outputs within
 // 0.0039 of the fp32 exchange's. 1 (diagnostic): each CTA rounds its own half too, so S = S_0 + S_1 is the same sum in
@@ -205,11 +206,11 @@
 #endif
 
 // MLAGEN_DST_COPY_L1 0 (every shipped build): the bf16 producer's 16-byte copies are cp.async.cg. 1: .ca (through L1)
-// in every bf16 build; -1: .ca only in builds of 3 score warps whose rows are one row block (H8 q9: 72 rows). .ca copies
-// cross L2 -> SM as 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not known), but
-// on an H100 with the fp32 exchange they took 0.985-1.014x the time of .cg at H8 (above 1 from 64k up) and
-// 1.060-1.100x at H16 (2 row blocks) and H64 (8 row blocks, each cluster of a split reading the same KV rows). For A/B
-// timing and L2 -> SM measurements.
+// in every bf16 build; -1: .ca only in builds of 3 score warps whose rows are one row block (H8 q9: 72 rows). .ca
+// copies cross L2 -> SM as 1.07x the KV bytes against .cg's 1.56x (perf-notes v25, v40; why .cg moves more is not
+// known), but on an H100 with the fp32 exchange they took 0.985-1.014x the time of .cg at H8 (above 1 from 64k up)
+// and 1.060-1.100x at H16 (2 row blocks) and H64 (8 row blocks, each cluster of a split reading the same KV rows).
+// For A/B timing and L2 -> SM measurements.
 #ifndef MLAGEN_DST_COPY_L1
 #define MLAGEN_DST_COPY_L1 0
 #endif
@@ -304,7 +305,8 @@ struct MlaDimSplitTConfig {
   // The bf16 producer's 16-byte copies through L1 (.ca; MLAGEN_DST_COPY_L1; -1: where the rows are one row block of 3
   // score warps, kRowTiles_ being the score warp count). The e4m3 producer does not use it.
   static constexpr bool kCopyL1 =
-      !kKvFp8_ && (MLAGEN_DST_COPY_L1 >= 0 ? MLAGEN_DST_COPY_L1 != 0 : kRowTiles_ == 3 && kHeads_ * kQLenMax_ <= 3 * 24);
+      !kKvFp8_ &&
+      (MLAGEN_DST_COPY_L1 >= 0 ? MLAGEN_DST_COPY_L1 != 0 : kRowTiles_ == 3 && kHeads_ * kQLenMax_ <= 3 * 24);
   static_assert(MLAGEN_DST_COPY_L1 >= -1 && MLAGEN_DST_COPY_L1 <= 1, "MLAGEN_DST_COPY_L1 is -1, 0 or 1");
   // The score warps' unmasked steps in a loop without masking code (perf-notes v20: in v19's single loop the ~450
   // SASS instructions of the mask sat between the two halves of every step, and the jump over them missed the
@@ -353,8 +355,8 @@ struct MlaDimSplitTConfig {
   static constexpr int kMTilesS = kSubTile / 16;
 
   // Shared memory: the KV ring (rows padded by 16 B: 592 B = 37 x 16 B, so the 8 rows of an ldmatrix fall in
-  // distinct bank groups), fp8: the e4m3 ring, the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats] (fp16: [3 tiles][32 lanes]
-  // [kMTilesS x 2 words]),
+  // distinct bank groups), fp8: the e4m3 ring, the exchange buffers [kXBufs][kScoreWarps][kMTilesS x 3 tiles][32 lanes][4 floats]
+  // (fp16: [3 tiles][32 lanes][kMTilesS x 2 words]),
   // the P^T buffers [kPBufs][kSubTile tokens][kPRowElems] bf16 (row stride an odd count of 16-B units, same reason), the
   // rescale factors [kPBufs][kRowsPerCta], the final row sums [kRowsPerCta], then the mbarriers.
   static constexpr int kKvRowElems = kDimCta + 8;
